@@ -1,0 +1,53 @@
+"""Default configuration: every field a run reads, with its meaning.
+
+Other configs start from ``get_config()`` here and override a few fields.
+Any field can be overridden on the command line: ``--config.num_particles=4``.
+"""
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+
+  # --- run -----------------------------------------------------------------
+  config.seed = 0                      # PRNG seed: particle init, resampling, data order
+  config.num_train_steps = 300         # optimisation steps
+  config.log_every_steps = 25          # progress line every N steps
+  config.eval_every_steps = 0          # evaluate every N steps (0 = only at the end)
+
+  # --- data ------------------------------------------------------------------
+  config.dataset = "digits"            # digits (scikit-learn, embedded)
+  config.global_batch_size = 128       # G: examples per step, over all particles and devices
+  config.eval_batch_size = 256         # examples per eval step (padded, masked)
+
+  # --- model -----------------------------------------------------------------
+  config.model = "cnn"                 # cnn (small, for 8x8 digits)
+  config.cnn_features = (32, 64, 128)  # channels of the cnn's conv stages
+  config.dtype = "float32"             # compute dtype: float32 | bfloat16
+  config.bn_momentum = 0.9             # BatchNorm running-average momentum
+
+  # --- optimiser -------------------------------------------------------------
+  config.base_lr = 0.1                 # learning rate at reference_batch_size
+  config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size
+  config.reference_batch_size = 256    # batch size at which base_lr applies
+  config.warmup_steps = 20             # linear warmup, then cosine decay to 0
+  config.momentum = 0.9                # SGD momentum
+  config.nesterov = True               # Nesterov momentum
+  config.weight_decay = 1e-4           # decoupled, on kernels only (not BN, not biases)
+  config.grad_clip_norm = 0.0          # clip each particle's gradient by global norm (0 = off)
+
+  # --- particles (DESIGN.md §3) ----------------------------------------------
+  config.mode = "ipf"                  # ddp | ensemble | ipf (see README, "Modes")
+  config.num_particles = 8             # P; 1 = plain DDP in any mode
+  config.temperature = 1.0             # tau >= 0: log w <- rho log w - tau loss
+  config.forgetting = 0.9              # rho in (0, 1]: memory of past losses in the weights
+  config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
+  config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P
+  config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
+  config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
+
+  # --- devices (DESIGN.md §2) ------------------------------------------------
+  config.num_devices = 0               # devices to use (0 = all)
+  config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
+  config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)
+  return config

@@ -1,0 +1,116 @@
+"""Config validation and the static particle settings derived from it.
+
+Every check runs before anything is compiled and raises one ``ConfigError``
+that names the field and a value that would work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_collections
+
+from ipf_jax import mesh as mesh_lib
+
+MODES = ("ddp", "ensemble", "ipf")
+LR_SCALING = ("none", "linear", "sqrt")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the field and the fix."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(f"config.{field}: {message}")
+    self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class ParticleSpec:
+  """The particle filter's static settings (DESIGN.md §3), resolved from the mode."""
+  num_particles: int
+  temperature: float
+  forgetting: float
+  correction: float
+  ess_threshold: float
+  resample_every: int
+  jitter: float
+
+  @property
+  def resampling(self) -> bool:
+    """Whether the step contains the resampling branch at all."""
+    return self.num_particles > 1 and (self.ess_threshold > 0 or self.resample_every > 0)
+
+
+def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
+  """The effective particle settings: ``ensemble`` and ``ddp`` switch weights,
+  correction and resampling off; ``ipf`` uses the configured values."""
+  if config.mode == "ipf" and config.num_particles > 1:
+    return ParticleSpec(config.num_particles, float(config.temperature), float(config.forgetting),
+                        float(config.correction), float(config.ess_threshold), int(config.resample_every),
+                        float(config.jitter))
+  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0)
+
+
+def _check(cond: bool, field: str, message: str):
+  if not cond:
+    raise ConfigError(field, message)
+
+
+def _check_choice(config, field, choices):
+  value = config[field]
+  _check(value in choices, field, f"unknown value {value!r}; use one of {', '.join(choices)}")
+
+
+def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple[int, int]:
+  """Checks ``config`` against itself and the ``available_devices``.
+
+  Returns:
+    The mesh shape ``(Dp, Dd)`` the run will use.
+  Raises:
+    ConfigError: naming the first field that cannot work.
+  """
+  _check_choice(config, "mode", MODES)
+  _check_choice(config, "lr_scaling", LR_SCALING)
+  _check_choice(config, "dtype", DTYPES)
+  p = config.num_particles
+  _check(isinstance(p, int) and p >= 1, "num_particles", f"must be an integer >= 1, got {p!r}")
+  if config.mode == "ddp":
+    _check(p == 1, "num_particles",
+           f"mode='ddp' trains one model, got num_particles={p}; set num_particles=1 "
+           "or use mode='ensemble' or mode='ipf' for a population")
+  _check(config.temperature >= 0, "temperature", f"must be >= 0, got {config.temperature}")
+  _check(0 < config.forgetting <= 1, "forgetting", f"must be in (0, 1], got {config.forgetting}")
+  _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")
+  _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")
+  _check(config.resample_every >= 0, "resample_every", f"must be >= 0 (0 = never on schedule), got {config.resample_every}")
+  _check(config.jitter >= 0, "jitter", f"must be >= 0, got {config.jitter}")
+  _check(config.num_train_steps >= 1, "num_train_steps", f"must be >= 1, got {config.num_train_steps}")
+  _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
+  _check(config.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0, got {config.eval_every_steps}")
+  _check(config.base_lr > 0, "base_lr", f"must be > 0, got {config.base_lr}")
+  _check(config.reference_batch_size >= 1, "reference_batch_size", f"must be >= 1, got {config.reference_batch_size}")
+  _check(config.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {config.warmup_steps}")
+  _check(0 <= config.momentum < 1, "momentum", f"must be in [0, 1), got {config.momentum}")
+  _check(config.weight_decay >= 0, "weight_decay", f"must be >= 0, got {config.weight_decay}")
+  _check(config.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {config.grad_clip_norm}")
+
+  n = config.num_devices or available_devices
+  _check(1 <= n <= available_devices, "num_devices",
+         f"asks for {config.num_devices} devices but {available_devices} exist; "
+         f"use num_devices=0 (all) or a value <= {available_devices}")
+  dp = config.particle_axis_size
+  if dp:
+    _check(n % dp == 0, "particle_axis_size",
+           f"{dp} does not divide the {n} devices; use a divisor of {n} such as {math.gcd(p, n)}")
+    _check(p % dp == 0, "num_particles",
+           f"{p} particles cannot be split over particle_axis_size={dp}; use a multiple of {dp} "
+           f"(e.g. {dp * max(1, p // dp)}) or set particle_axis_size to a divisor of {p}")
+  dp, dd = mesh_lib.mesh_shape(p, n, dp)
+  g = config.global_batch_size
+  _check(g % (p * dd) == 0, "global_batch_size",
+         f"{g} is not divisible by num_particles x data devices = {p} x {dd} = {p * dd}; "
+         f"use a multiple of {p * dd} such as {max(1, g // (p * dd)) * p * dd}")
+  _check(config.eval_batch_size % dd == 0 and config.eval_batch_size > 0, "eval_batch_size",
+         f"{config.eval_batch_size} must be a positive multiple of the {dd} data devices")
+  return dp, dd

@@ -1,0 +1,149 @@
+"""Importance weights, ESS, systematic resampling and the particle exchange.
+
+Pure functions. Those that take ``axis_name`` run inside ``shard_map`` on the
+local shard ``[L]`` of the particle axis and reduce over the named mesh axis;
+with ``axis_name=None`` they treat their input as all ``P`` particles.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def update_log_weights(log_w, loss, alive, temperature: float, forgetting: float):
+  """``log w_i <- rho * log w_i - tau * loss_i``; ``-inf`` where not ``alive``.
+
+  Args:
+    log_w: ``[L]`` normalised log-weights from the previous step.
+    loss: ``[L]`` per-particle training loss of this step.
+    alive: ``[L]`` bool, False for a particle whose loss or gradient is not finite.
+  Returns:
+    ``[L]`` unnormalised log-weights.
+  """
+  new = forgetting * log_w - temperature * jnp.where(alive, loss, 0.0)
+  return jnp.where(alive, new, -jnp.inf)
+
+
+def _global_max(x, axis_name):
+  m = jnp.max(x)
+  return m if axis_name is None else lax.pmax(m, axis_name)
+
+
+def _global_sum(x, axis_name):
+  s = jnp.sum(x)
+  return s if axis_name is None else lax.psum(s, axis_name)
+
+
+def logsumexp(log_w, axis_name: Optional[str] = None):
+  """Global ``log sum_i exp(log_w_i)`` over all particles; ``-inf`` if all are ``-inf``."""
+  m = _global_max(log_w, axis_name)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf: avoid (-inf) - (-inf)
+  return m_safe + jnp.log(_global_sum(jnp.exp(log_w - m_safe), axis_name))
+
+
+def normalize(log_w, axis_name: Optional[str] = None):
+  """``log_w - logsumexp(log_w)`` so that ``sum_i w_i = 1``.
+
+  If every particle is ``-inf`` the input is returned unchanged (the caller
+  sees ``num_alive == 0`` and skips the step).
+  """
+  lse = logsumexp(log_w, axis_name)
+  return jnp.where(jnp.isfinite(lse), log_w - lse, log_w)
+
+
+def ess(log_w, axis_name: Optional[str] = None):
+  """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights."""
+  return jnp.exp(-logsumexp(2.0 * log_w, axis_name))
+
+
+def gather_all(x, axis_name: str):
+  """All particles' ``[P]`` values from each device's ``[L]`` block, typed as
+  identical on every device (``all_gather`` is typed device-varying, which
+  ``lax.cond`` would reject): a scatter into zeros, then ``psum``."""
+  num_local = x.shape[0]
+  full = jnp.zeros((num_local * lax.axis_size(axis_name),) + x.shape[1:], x.dtype)
+  full = lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(axis_name) * num_local, axis=0)
+  return lax.psum(full, axis_name)
+
+
+def systematic_resample(u, log_w):
+  """Systematic resampling of ``P`` particles with one shared uniform ``u``.
+
+  ``a_n = min(searchsorted(c, (n + u) / P, side="right"), last)`` for
+  ``n = 0..P-1``, with ``c = cumsum(w) / sum(w)`` and ``last`` the highest
+  index with ``w > 0`` (so a culled particle is never an ancestor, even when
+  rounding leaves ``c[-1]`` short of 1). The result is ascending and particle
+  ``i`` gets ``floor(P w_i)`` or ``floor(P w_i) + 1`` copies.
+
+  Args:
+    u: scalar in ``[0, 1)``.
+    log_w: ``[P]`` log-weights of all particles (normalised or not).
+  Returns:
+    ``[P]`` int32 ancestors.
+  """
+  num = log_w.shape[0]
+  w = jnp.exp(log_w - jnp.max(log_w))
+  c = jnp.cumsum(w)
+  c = c / c[-1]
+  positions = (jnp.arange(num, dtype=c.dtype) + u) / num
+  idx = jnp.searchsorted(c, positions, side="right").astype(jnp.int32)
+  last = num - 1 - jnp.argmax(w[::-1] > 0).astype(jnp.int32)
+  return jnp.minimum(idx, last)
+
+
+def assign_slots(ancestors):
+  """Slot assignment that keeps survivors in place.
+
+  A particle with at least one offspring keeps one copy in its own slot; the
+  freed slots (no offspring), in ascending order, receive the extra copies in
+  ascending ancestor order.
+
+  Args:
+    ancestors: ``[P]`` ascending ancestor indices (from ``systematic_resample``).
+  Returns:
+    ``[P]`` int32 ``src`` with ``new_particle[n] = old_particle[src[n]]``.
+  """
+  num = ancestors.shape[0]
+  ancestors = ancestors.astype(jnp.int32)
+  counts = jnp.bincount(ancestors, length=num)
+  first = jnp.concatenate([jnp.ones((1,), bool), ancestors[1:] != ancestors[:-1]])
+  extras = ancestors[jnp.argsort(first, stable=True)]  # repeated copies first, in order
+  freed = counts == 0
+  rank = jnp.cumsum(freed) - 1
+  return jnp.where(freed, extras[jnp.clip(rank, 0, num - 1)], jnp.arange(num, dtype=jnp.int32))
+
+
+def exchange(tree, src, axis_name: Optional[str], axis_size: int):
+  """``new[n] = old[src[n]]`` for every per-particle leaf, across devices.
+
+  Runs inside ``shard_map``: each leaf is the local block ``[L, ...]`` of the
+  particle axis, ``src`` the global ``[P]`` source vector (identical on every
+  device). Each device sends, for every destination slot, the local particle
+  that slot would take from it (``all_to_all`` over ``axis_name``), then picks
+  from the received blocks the one whose device owns the source. A slot whose
+  source is itself receives its own particle back, so survivors stay put.
+
+  The send/receive buffers hold ``axis_size * L = P`` particles per leaf per
+  device: static shapes, whatever the ancestors.
+  """
+  if axis_name is None or axis_size == 1:
+    return jax.tree.map(lambda x: x[src], tree)
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return tree
+  num_local = leaves[0].shape[0]
+  src = src.reshape(axis_size, num_local)
+  src_dev, src_loc = src // num_local, src % num_local
+  me = lax.axis_index(axis_name)
+  my_src_dev = lax.dynamic_index_in_dim(src_dev, me, keepdims=False)  # [L]
+  slots = jnp.arange(num_local)
+
+  def move(x):
+    send = x[src_loc]  # [Dp, L, ...]: row e = what device e's slots take from me
+    recv = lax.all_to_all(send, axis_name, 0, 0)  # recv[d] = device d's row for me
+    return recv[my_src_dev, slots]
+
+  return jax.tree.map(move, tree)

@@ -1,0 +1,41 @@
+"""Optimizer, learning-rate schedule and the LR scaling rule (DESIGN.md §3.4)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import ml_collections
+import optax
+
+
+def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int) -> float:
+  """``none``: 1; ``linear``: G / ref; ``sqrt``: sqrt(G / ref)."""
+  ratio = global_batch_size / reference_batch_size
+  return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+
+def create_learning_rate_fn(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup from 0 to ``base_lr * scale``, then cosine decay to 0."""
+  peak = config.base_lr * lr_scale(config.lr_scaling, config.global_batch_size, config.reference_batch_size)
+  warmup = min(config.warmup_steps, config.num_train_steps - 1)
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, config.num_train_steps, end_value=0.0)
+
+
+def _decay_mask(params):
+  """Weight decay on kernels only: not on BatchNorm scales/offsets or biases."""
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """SGD with (Nesterov) momentum, decoupled masked weight decay, optional clipping.
+
+  One particle's optimizer: the train step vmaps it over the particle axis.
+  """
+  parts = []
+  if config.grad_clip_norm:
+    parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
+  if config.weight_decay:
+    parts.append(optax.add_decayed_weights(config.weight_decay, mask=_decay_mask))
+  parts.append(optax.sgd(create_learning_rate_fn(config), momentum=config.momentum or None,
+                         nesterov=config.nesterov and bool(config.momentum)))
+  return optax.chain(*parts)

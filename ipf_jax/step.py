@@ -1,0 +1,165 @@
+"""The jitted ``shard_map`` train and eval steps (DESIGN.md §3).
+
+Per-particle code is written for one particle and vmapped over the ``L``
+particles of a device; collectives name ``"particle"`` or ``"data"``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ipf_jax import correction
+from ipf_jax import filter as pf
+from ipf_jax import metrics as metrics_lib
+from ipf_jax.configuration import ParticleSpec
+from ipf_jax.mesh import DATA, PARTICLE
+from ipf_jax.state import ParticleState, state_specs
+
+BATCH_SPEC = {"image": P(PARTICLE, DATA), "label": P(PARTICLE, DATA)}
+EVAL_BATCH_SPEC = {"image": P(DATA), "label": P(DATA), "mask": P(DATA)}
+TRAIN_METRIC_SPECS = {"loss": P(PARTICLE), "alive": P(PARTICLE), "grad_norm": P(PARTICLE),
+                      "log_weights": P(PARTICLE), "ess": P(), "resampled": P(), "ancestors": P(),
+                      "num_alive": P()}
+
+
+def _per_particle(mask, x):
+  """Broadcast an ``[L]`` mask against an ``[L, ...]`` leaf."""
+  return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+
+
+def _all_finite(tree):
+  """``[L]`` bool: every entry of the particle's leaves is finite."""
+  leaves = [jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1) for x in jax.tree.leaves(tree)]
+  return jnp.stack(leaves).all(axis=0)
+
+
+def _jitter(params, src, key, sigma, num_local):
+  """``theta += sigma * eps`` on slots that received a copy (``src[n] != n``).
+
+  Slot ``n``'s noise comes from ``fold_in(key, n)``, leaf ``k`` from
+  ``fold_in(that, k)``: the same on any mesh.
+  """
+  first = lax.axis_index(PARTICLE) * num_local
+  slots = first + jnp.arange(num_local)
+  copied = lax.dynamic_slice_in_dim(src, first, num_local) != slots
+  leaves, treedef = jax.tree.flatten(params)
+
+  def noise(slot):
+    k = jax.random.fold_in(key, slot)
+    return [jax.random.normal(jax.random.fold_in(k, i), x.shape[1:], x.dtype) for i, x in enumerate(leaves)]
+
+  eps = jax.vmap(noise)(slots)
+  out = [x + sigma * jnp.where(_per_particle(copied, x), e, 0) for x, e in zip(leaves, eps)]
+  return jax.tree.unflatten(treedef, out)
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: ParticleSpec,
+                    mesh: jax.sharding.Mesh) -> Callable:
+  """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
+
+  ``batch`` is ``{"image": [P, B, ...], "label": [P, B]}`` sharded
+  ``P("particle", "data")``; ``model`` must synchronise BatchNorm over
+  ``"data"`` (``bn_axis_name="data"``). ``state`` is donated.
+  """
+  num_particles = spec.num_particles
+  dp = mesh.shape[PARTICLE]
+
+  def loss_fn(params, batch_stats, image, label):
+    logits, new_vars = model.apply({"params": params, "batch_stats": batch_stats}, image, train=True,
+                                   mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, label).mean()
+    # The particle's loss over its whole data group; its gradient is the group mean.
+    return lax.pmean(loss, DATA), new_vars["batch_stats"]
+
+  def resample(step_key, particle, log_w):
+    """Systematic resampling, survivors in place, exchange, weights reset."""
+    all_log_w = pf.gather_all(log_w, PARTICLE)
+    u = jax.random.uniform(jax.random.fold_in(step_key, 0))
+    src = pf.assign_slots(pf.systematic_resample(u, all_log_w))
+    params, batch_stats, opt_state = pf.exchange(particle, src, PARTICLE, dp)
+    if spec.jitter:
+      params = _jitter(params, src, jax.random.fold_in(step_key, 1), spec.jitter, log_w.shape[0])
+    uniform = jnp.full_like(log_w, -jnp.log(num_particles))
+    return (params, batch_stats, opt_state), uniform, src
+
+  def local_step(state: ParticleState, batch):
+    step_key = jax.random.fold_in(state.rng, state.step)
+    # 1. Local gradients, one particle at a time (vmapped), averaged over "data".
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, batch_stats), grads = jax.vmap(grad_fn)(state.params, state.batch_stats, batch["image"], batch["label"])
+    alive = jnp.isfinite(loss) & _all_finite(grads)
+    grads = jax.tree.map(lambda g: jnp.where(_per_particle(alive, g), g, 0), grads)  # no NaN leaves a culled particle
+    # 2. Importance weights, normalised over all particles.
+    log_w = pf.normalize(pf.update_log_weights(state.log_weights, loss, alive, spec.temperature, spec.forgetting),
+                         PARTICLE)
+    # 3. Weighted global correction.
+    directions = correction.correct(grads, jnp.exp(log_w), spec.correction, PARTICLE)
+    # 4. Per-particle optimizer update.
+    updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
+    particle = (optax.apply_updates(state.params, updates), batch_stats, opt_state)
+    # 5. Resampling, decided inside the step.
+    ess = pf.ess(log_w, PARTICLE)
+    new_log_w, src, resampled = log_w, jnp.arange(num_particles, dtype=jnp.int32), jnp.zeros((), bool)
+    if spec.resampling:
+      resampled = ess < spec.ess_threshold * num_particles
+      if spec.resample_every:
+        resampled |= (state.step + 1) % spec.resample_every == 0
+      particle, new_log_w, src = lax.cond(resampled, lambda p, w: resample(step_key, p, w),
+                                          lambda p, w: (p, w, src), particle, log_w)
+    num_alive = lax.psum(alive.sum(dtype=jnp.int32), PARTICLE)
+    ok = num_alive > 0  # nothing finite: skip the update (DDP's skipped step)
+    params, batch_stats, opt_state = particle
+    updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, log_weights=new_log_w,
+                            num_resamples=state.num_resamples + resampled.astype(jnp.int32))
+    new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+    new_state = new_state.replace(step=state.step + 1, num_skipped=state.num_skipped + (~ok).astype(jnp.int32))
+    metrics = {"loss": loss, "alive": alive, "grad_norm": jax.vmap(optax.tree.norm)(grads),
+               "log_weights": log_w, "ess": ess, "resampled": resampled & ok, "ancestors": src,
+               "num_alive": num_alive}
+    return new_state, metrics
+
+  specs = state_specs()
+  sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(specs, BATCH_SPEC),
+                          out_specs=(specs, TRAIN_METRIC_SPECS))
+  return jax.jit(sharded, donate_argnums=0)
+
+
+def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
+  """``eval_step(state, batch) -> sums`` for every particle, the ensembles and the fused model.
+
+  ``batch`` is ``{"image": [N, ...], "label": [N], "mask": [N]}`` sharded over
+  ``"data"`` and seen by every particle. Returns additive sums (see
+  ``metrics.classification_sums``): ``particles`` with a leading ``[P]`` axis,
+  ``ensemble`` (``sum_i w_i softmax(f(theta_i, x))``), ``ensemble_uniform``
+  (equal weights over finite particles) and ``fused`` (``f(sum_i w_i theta_i)``
+  with ``sum_i w_i beta_i`` BatchNorm statistics).
+  """
+
+  def predict(params, batch_stats, image):
+    return jax.nn.softmax(model.apply({"params": params, "batch_stats": batch_stats}, image, train=False))
+
+  def local_eval(state: ParticleState, batch):
+    image, label, mask = batch["image"], batch["label"], batch["mask"]
+    probs = jax.vmap(predict, in_axes=(0, 0, None))(state.params, state.batch_stats, image)  # [L, b, C]
+    w = jnp.exp(state.log_weights)
+    alive = (w > 0).astype(jnp.float32)
+    per_particle = jax.vmap(metrics_lib.classification_sums, in_axes=(0, None, None))(probs, label, mask)
+    ensemble = correction.weighted_sum(probs, w, PARTICLE)
+    uniform = correction.weighted_sum(probs, alive, PARTICLE) / lax.psum(alive.sum(), PARTICLE)
+    fused_params = correction.fuse(state.params, w, PARTICLE)
+    fused_stats = correction.fuse(state.batch_stats, w, PARTICLE)
+    sums = {"particles": per_particle,
+            "ensemble": metrics_lib.classification_sums(ensemble, label, mask),
+            "ensemble_uniform": metrics_lib.classification_sums(uniform, label, mask),
+            "fused": metrics_lib.classification_sums(predict(fused_params, fused_stats, image), label, mask)}
+    return lax.psum(sums, DATA)
+
+  out_specs = {"particles": P(PARTICLE), "ensemble": P(), "ensemble_uniform": P(), "fused": P()}
+  sharded = jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC), out_specs=out_specs)
+  return jax.jit(sharded)

@@ -1,0 +1,162 @@
+"""``train_and_evaluate(config, workdir)``: the training loop, progress and the final table."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from ipf_jax import configuration
+from ipf_jax import mesh as mesh_lib
+from ipf_jax import metrics as metrics_lib
+from ipf_jax import optim
+from ipf_jax import state as state_lib
+from ipf_jax import step as step_lib
+from ipf_jax.data import create_dataset
+from ipf_jax.data import layout
+from ipf_jax.models import create_model
+
+log = logging.getLogger("ipf_jax")
+
+
+class NonFiniteError(FloatingPointError):
+  """Every particle's loss or gradient became non-finite."""
+
+
+def setup_devices(config: ml_collections.ConfigDict) -> None:
+  """Splits a CPU-only host into ``config.num_cpu_devices`` devices (before JAX starts its backend)."""
+  if config.num_cpu_devices:
+    try:
+      jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
+    except RuntimeError as e:  # backend already running (e.g. inside a test); keep what it has
+      log.warning("num_cpu_devices=%d not applied: %s", config.num_cpu_devices, e)
+
+
+def setup_logging(workdir: str) -> None:
+  """Progress to stdout and ``workdir/train.log`` (process 0 only)."""
+  log.setLevel(logging.INFO)
+  log.propagate = False
+  for h in list(log.handlers):
+    log.removeHandler(h)
+  if jax.process_index() != 0:
+    log.addHandler(logging.NullHandler())
+    return
+  fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
+  handlers = [logging.StreamHandler(sys.stdout)]
+  if workdir:
+    handlers.append(logging.FileHandler(os.path.join(workdir, "train.log")))
+  for h in handlers:
+    h.setFormatter(fmt)
+    log.addHandler(h)
+
+
+def _fmt_time(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def evaluate(eval_step, state, dataset, batch_size: int, mesh) -> dict:
+  """Every test example exactly once (padded last batch, masked)."""
+  total = None
+  for batch in dataset.eval_batches(batch_size):
+    sums = eval_step(state, layout.put_eval_batch(batch, mesh))
+    total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
+  return {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
+
+
+def format_eval_table(results: dict, log_weights: np.ndarray) -> str:
+  """One row per particle, the two ensembles and the fused model."""
+  weights = np.exp(log_weights)
+  rows = [("model", "weight", "accuracy", "NLL", "ECE")]
+  p = results["particles"]
+  for i in range(len(weights)):
+    rows.append((f"particle {i}", f"{weights[i]:.3f}", f"{100 * p['accuracy'][i]:.2f}%", f"{p['nll'][i]:.4f}",
+                 f"{p['ece'][i]:.4f}"))
+  for name, key in (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_uniform"),
+                    ("fused model", "fused")):
+    r = results[key]
+    rows.append((name, "", f"{100 * r['accuracy']:.2f}%", f"{r['nll']:.4f}", f"{r['ece']:.4f}"))
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  return "\n".join(lines)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results."""
+  # ---- setup ------------------------------------------------------------------------------
+  setup_devices(config)
+  dp, dd = configuration.validate(config, jax.device_count())
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+  setup_logging(workdir)
+  if workdir and jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json(indent=2))
+  devices = jax.devices()[:config.num_devices or jax.device_count()]
+  mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
+  spec = configuration.particle_spec(config)
+  log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s)  batch %d = %d particles x %d",
+           config.mode, spec.num_particles, dp, dd, len(devices), devices[0].platform, config.global_batch_size,
+           spec.num_particles, config.global_batch_size // spec.num_particles)
+
+  # ---- data, model, state -----------------------------------------------------------------
+  dataset = create_dataset(config)
+  model = create_model(config, dataset.num_classes, bn_axis_name=mesh_lib.DATA)
+  tx = optim.create_optimizer(config)
+  lr_fn = optim.create_learning_rate_fn(config)
+  state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), model, tx, dataset.image_shape,
+                                       spec.num_particles, mesh)
+  train_step = step_lib.make_train_step(model, tx, spec, mesh)
+  eval_step = step_lib.make_eval_step(model, mesh)
+  steps_per_epoch = dataset.steps_per_epoch(config.global_batch_size)
+
+  # ---- loop -------------------------------------------------------------------------------
+  total = config.num_train_steps
+  start = int(state.step)
+  t_start = t_last = time.perf_counter()
+  last_step = start
+  for step in range(start, total):
+    batch = layout.put_train_batch(dataset.train_batch(step, config.global_batch_size, config.seed),
+                                   spec.num_particles, mesh)
+    state, m = train_step(state, batch)
+    done = step + 1
+    if done % config.log_every_steps == 0 or done == total:
+      m = jax.device_get(m)
+      skipped = int(state.num_skipped)
+      if skipped and spec.num_particles > 1:
+        raise NonFiniteError(f"step {done}: every particle's loss or gradient is non-finite; the update was "
+                             "skipped and the state holds the last finite step. Lower config.base_lr, or "
+                             "enable config.grad_clip_norm.")
+      now = time.perf_counter()
+      rate = (done - last_step) / (now - t_last)
+      alive = m["alive"]
+      w = np.exp(m["log_weights"])
+      loss = float(np.sum(np.where(alive, w * np.nan_to_num(m["loss"]), 0.0)))
+      eta = (total - done) / rate if done > start + 1 else float("nan")
+      log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s  "
+               "lr %.4g  %.1f steps/s  ETA %s", done, total, done / steps_per_epoch, loss, float(m["ess"]),
+               spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
+               spec.num_particles, f"  skipped {skipped}" if skipped else "", float(lr_fn(done)), rate,
+               _fmt_time(eta))
+      t_last, last_step = now, done
+    if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
+      results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
+      log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done, 100 * results["ensemble"]["accuracy"],
+               100 * results["fused"]["accuracy"])
+  elapsed = time.perf_counter() - t_start
+  log.info("trained %d steps in %s (%.1f steps/s)", total - start, _fmt_time(elapsed), (total - start) / max(elapsed, 1e-9))
+
+  # ---- final evaluation -------------------------------------------------------------------
+  results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
+  log.info("final evaluation on %d %s test examples:\n%s", len(dataset.test_labels), dataset.name,
+           format_eval_table(results, np.asarray(jax.device_get(state.log_weights))))
+  if workdir and jax.process_index() == 0:
+    with open(os.path.join(workdir, "eval_results.json"), "w") as f:
+      json.dump(jax.tree.map(lambda x: np.asarray(x).tolist(), results), f, indent=1)
+  return results

@@ -1,0 +1,79 @@
+"""Shared test fixtures: a tiny config, a mesh of a given shape, real digits batches."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from configs import default
+from ipf_jax import configuration
+from ipf_jax import mesh as mesh_lib
+from ipf_jax import optim
+from ipf_jax import state as state_lib
+from ipf_jax import step as step_lib
+from ipf_jax.data import digits
+from ipf_jax.models import create_model
+
+PER_PARTICLE_BATCH = 8
+
+
+def tiny_config(**overrides):
+  config = default.get_config()
+  config.cnn_features = (4, 8)
+  config.warmup_steps = 2
+  config.num_train_steps = 20
+  config.base_lr = 0.5
+  for k, v in overrides.items():
+    config[k] = v
+  return config
+
+
+@functools.lru_cache(maxsize=None)
+def digits_data():
+  return digits.load()
+
+
+def particle_batches(num_particles, num_steps, per_particle=PER_PARTICLE_BATCH, seed=0):
+  """``num_steps`` batches ``(images [P, B, 8, 8, 1], labels [P, B])`` of real digits."""
+  data = digits_data()
+  g = num_particles * per_particle
+  out = []
+  for k in range(num_steps):
+    b = data.train_batch(k, g, seed)
+    out.append((b["image"].reshape(num_particles, per_particle, 8, 8, 1),
+                b["label"].reshape(num_particles, per_particle)))
+  return out
+
+
+class Setup:
+  """Model, optimizer, spec, mesh and initial state for ``config`` on a ``(Dp, Dd)`` mesh."""
+
+  def __init__(self, config, dp, dd):
+    devices = jax.devices()[:dp * dd]
+    config.num_devices = dp * dd
+    config.particle_axis_size = dp
+    config.global_batch_size = config.num_particles * PER_PARTICLE_BATCH
+    assert configuration.validate(config, jax.device_count()) == (dp, dd)
+    self.config = config
+    self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
+    self.spec = configuration.particle_spec(config)
+    self.model = create_model(config, 10, bn_axis_name=mesh_lib.DATA)
+    self.plain_model = create_model(config, 10, bn_axis_name=None)
+    self.tx = optim.create_optimizer(config)
+    self.state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), self.model, self.tx, (8, 8, 1),
+                                              config.num_particles, self.mesh)
+    self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh)
+
+  def put(self, images, labels):
+    from ipf_jax.data import layout
+    return layout.put_sharded({"image": images, "label": labels}, step_lib.BATCH_SPEC, self.mesh)
+
+  def host_state(self):
+    return jax.tree.map(np.array, jax.device_get(self.state))  # writable copies
+
+
+def assert_close(actual, expected, rtol=2e-4, atol=2e-5):
+  import chex
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, actual), jax.tree.map(np.asarray, expected),
+                              rtol=rtol, atol=atol)

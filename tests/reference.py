@@ -1,0 +1,148 @@
+"""A plain reference implementation of DESIGN.md §3 for the tests.
+
+Python loops over particles, numpy for the filter; no vmap, no shard_map, no
+collectives. BatchNorm sees each particle's whole shard at once, which is what
+SyncBN over the "data" axis computes. Shares only the RNG contract with the
+library: step k uses key fold_in(rng, k); the resampling uniform comes from
+fold_in(key, 0); the jitter of slot n, leaf j from fold_in(fold_in(fold_in(key, 1), n), j).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def logsumexp(x):
+  x = np.asarray(x, np.float64)
+  m = np.max(x)
+  if not np.isfinite(m):
+    return -np.inf
+  return m + np.log(np.sum(np.exp(x - m)))
+
+
+def systematic_ancestors(weights, u):
+  """Loop version: a_n = first i with cumsum(w)_i > (n + u) / P."""
+  p = len(weights)
+  c = np.cumsum(np.asarray(weights, np.float64))
+  c = c / c[-1]
+  last = max(i for i in range(p) if weights[i] > 0)
+  out = []
+  for n in range(p):
+    pos = (n + u) / p
+    i = 0
+    while i < p and c[i] <= pos:
+      i += 1
+    out.append(min(i, last))
+  return out
+
+
+def survivor_slots(ancestors):
+  """Survivors keep their slot; freed slots (ascending) take the extra copies (ascending)."""
+  p = len(ancestors)
+  survivors = set(ancestors)
+  seen, extras = set(), []
+  for a in ancestors:
+    if a in seen:
+      extras.append(a)
+    seen.add(a)
+  freed = [n for n in range(p) if n not in survivors]
+  src = list(range(p))
+  for slot, a in zip(freed, extras):
+    src[slot] = a
+  return src
+
+
+def _finite(tree):
+  return all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(tree))
+
+
+class Reference:
+  """Holds per-particle lists and runs steps one particle at a time."""
+
+  def __init__(self, model, tx, spec, params, batch_stats, opt_state, log_weights, rng):
+    self.spec = spec
+    self.tx = tx
+    self.rng = rng
+    p = spec.num_particles
+    take = lambda tree, i: jax.tree.map(lambda x: np.asarray(x[i]), tree)
+    self.params = [take(params, i) for i in range(p)]
+    self.batch_stats = [take(batch_stats, i) for i in range(p)]
+    self.opt_state = [take(opt_state, i) for i in range(p)]
+    self.log_w = np.asarray(log_weights, np.float64)
+    self.step = 0
+    self.num_resamples = 0
+
+    def loss_fn(params, batch_stats, image, label):
+      logits, new = model.apply({"params": params, "batch_stats": batch_stats}, image, train=True,
+                                mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, label).mean(), new["batch_stats"]
+
+    self._grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    self._update = jax.jit(tx.update)
+
+  def train_step(self, images, labels):
+    """One step on ``images[i]`` for particle ``i``; returns a record of what happened."""
+    s = self.spec
+    p = s.num_particles
+    key = jax.random.fold_in(self.rng, self.step)
+    losses, grads, stats, alive = [], [], [], []
+    for i in range(p):
+      (loss, bs), g = self._grad(self.params[i], self.batch_stats[i], images[i], labels[i])
+      ok = bool(np.isfinite(loss)) and _finite(g)
+      losses.append(float(loss))
+      alive.append(ok)
+      grads.append(g if ok else jax.tree.map(jnp.zeros_like, g))
+      stats.append(bs)
+    log_w = np.array([s.forgetting * self.log_w[i] - s.temperature * losses[i] if alive[i] else -np.inf
+                      for i in range(p)])
+    record = {"loss": losses, "alive": alive, "resampled": False, "ancestors": list(range(p))}
+    if not any(alive):
+      self.step += 1
+      return record
+    log_w = log_w - logsumexp(log_w)
+    w = np.exp(log_w)
+    consensus = None
+    for j in range(p):
+      if w[j] > 0:
+        term = jax.tree.map(lambda g: w[j] * g, grads[j])
+        consensus = term if consensus is None else jax.tree.map(lambda a, b: a + b, consensus, term)
+    for i in range(p):
+      d = grads[i]
+      if s.correction > 0:
+        d = jax.tree.map(lambda g, c: (1 - s.correction) * g + s.correction * c, grads[i], consensus)
+      updates, self.opt_state[i] = self._update(d, self.opt_state[i], self.params[i])
+      self.params[i] = optax.apply_updates(self.params[i], updates)
+      self.batch_stats[i] = stats[i]
+    ess = 1.0 / np.sum(w ** 2)
+    record["ess"] = ess
+    record["log_weights"] = log_w
+    resample = p > 1 and (s.ess_threshold > 0 or s.resample_every > 0) and (
+        ess < s.ess_threshold * p or (s.resample_every > 0 and (self.step + 1) % s.resample_every == 0))
+    if resample:
+      u = float(jax.random.uniform(jax.random.fold_in(key, 0)))
+      src = survivor_slots(systematic_ancestors(w, u))
+      self.params = [self.params[a] for a in src]
+      self.batch_stats = [self.batch_stats[a] for a in src]
+      self.opt_state = [self.opt_state[a] for a in src]
+      if s.jitter:
+        jkey = jax.random.fold_in(key, 1)
+        for n in range(p):
+          if src[n] != n:
+            k = jax.random.fold_in(jkey, n)
+            leaves, treedef = jax.tree.flatten(self.params[n])
+            leaves = [x + s.jitter * np.asarray(jax.random.normal(jax.random.fold_in(k, j), x.shape, x.dtype))
+                      for j, x in enumerate(leaves)]
+            self.params[n] = jax.tree.unflatten(treedef, leaves)
+      log_w = np.full(p, -np.log(p))
+      self.num_resamples += 1
+      record.update(resampled=True, ancestors=src)
+    self.log_w = log_w
+    self.step += 1
+    return record
+
+  def stacked(self):
+    """The particles as ``[P, ...]`` trees, to compare with the SPMD state."""
+    stack = lambda trees: jax.tree.map(lambda *xs: np.stack(xs), *trees)
+    return stack(self.params), stack(self.batch_stats), stack(self.opt_state)

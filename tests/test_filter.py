@@ -1,0 +1,122 @@
+"""Weights, ESS, systematic resampling and the particle exchange against plain numpy."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ipf_jax import filter as pf
+from ipf_jax import mesh as mesh_lib
+from tests import reference
+
+MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]
+
+
+def random_weights(rng, p, num_zero=0):
+  w = rng.gamma(0.3, size=p)
+  w[rng.choice(p, num_zero, replace=False)] = 0
+  return w / w.sum()
+
+
+@pytest.mark.parametrize("p", [1, 2, 5, 8, 33])
+def test_systematic_resampling_counts_and_order(p):
+  rng = np.random.default_rng(p)
+  for trial in range(50):
+    w = random_weights(rng, p, num_zero=min(trial % 3, p - 1))
+    u = rng.uniform()
+    anc = np.asarray(pf.systematic_resample(jnp.float32(u), jnp.log(jnp.asarray(w, jnp.float32))))
+    assert np.all(np.diff(anc) >= 0), "ancestors must be ascending"
+    counts = np.bincount(anc, minlength=p)
+    floor = np.floor(p * w + 1e-5)  # float32 cumsum: allow rounding right at the boundary
+    assert np.all((counts >= np.floor(p * w - 1e-5)) & (counts <= floor + 1)), (w, counts)
+    assert np.all(counts[w == 0] == 0), "a zero-weight particle was resampled"
+    assert counts.sum() == p
+    np.testing.assert_array_equal(anc, reference.systematic_ancestors(w, u))
+
+
+def test_assign_slots_keeps_survivors_in_place():
+  rng = np.random.default_rng(0)
+  for p in (1, 3, 8, 16):
+    for _ in range(40):
+      anc = np.sort(rng.choice(p, size=p, p=random_weights(rng, p)))
+      src = np.asarray(pf.assign_slots(jnp.asarray(anc, jnp.int32)))
+      survivors = set(anc.tolist())
+      for n in range(p):
+        if n in survivors:
+          assert src[n] == n, "a survivor moved"
+      assert sorted(src.tolist()) == sorted(anc.tolist()), "offspring counts changed"
+      np.testing.assert_array_equal(src, reference.survivor_slots(anc.tolist()))
+
+
+def test_assign_slots_edge_cases():
+  np.testing.assert_array_equal(pf.assign_slots(jnp.arange(6)), np.arange(6))  # identity
+  np.testing.assert_array_equal(pf.assign_slots(jnp.full(6, 4)), np.full(6, 4))  # all from one
+  np.testing.assert_array_equal(pf.assign_slots(jnp.array([0, 0, 0, 3, 3, 5])), [0, 0, 0, 3, 3, 5])
+  np.testing.assert_array_equal(pf.assign_slots(jnp.array([1, 1, 2, 2, 2, 2])), [1, 1, 2, 2, 2, 2])
+  np.testing.assert_array_equal(pf.assign_slots(jnp.array([2, 2, 2, 5, 5, 5])), [2, 2, 2, 5, 5, 5])
+  np.testing.assert_array_equal(pf.assign_slots(jnp.array([0, 1, 1, 1, 4, 4])), [0, 1, 1, 1, 4, 4])
+  np.testing.assert_array_equal(pf.assign_slots(jnp.array([1, 1, 3, 3, 4, 4])), [1, 1, 3, 3, 4, 4])
+  # survivors 0 and 1 stay; freed slots 2..5 take the extra copies 0, 0, 1, 1 in order
+  np.testing.assert_array_equal(pf.assign_slots(jnp.array([0, 0, 0, 1, 1, 1])), [0, 1, 0, 0, 1, 1])
+  np.testing.assert_array_equal(pf.assign_slots(jnp.array([2, 2, 3, 3, 3, 5])), [2, 3, 2, 3, 3, 5])
+
+
+def _sharded(mesh, x, spec):
+  return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("dp,dd", MESH_SHAPES)
+@pytest.mark.parametrize("per_device", [1, 2, 4])
+def test_normalize_and_ess_over_the_mesh(dp, dd, per_device):
+  p = dp * per_device
+  mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
+  rng = np.random.default_rng(p + dd)
+  log_w = rng.normal(size=p).astype(np.float32) * 3
+  if p > 2:
+    log_w[1] = -np.inf  # culled particle
+
+  def local(lw):
+    n = pf.normalize(lw, mesh_lib.PARTICLE)
+    return n, pf.ess(n, mesh_lib.PARTICLE), pf.gather_all(n, mesh_lib.PARTICLE)
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("particle"), out_specs=(P("particle"), P(), P())))
+  n, e, gathered = jax.device_get(fn(_sharded(mesh, log_w, P("particle"))))
+  expect = log_w - reference.logsumexp(log_w)
+  np.testing.assert_allclose(n, expect, rtol=1e-5, atol=1e-5)
+  assert abs(reference.logsumexp(n)) < 1e-5
+  np.testing.assert_allclose(e, 1 / np.sum(np.exp(expect.astype(np.float64)) ** 2), rtol=1e-5)
+  np.testing.assert_array_equal(gathered, n)
+
+
+def test_update_log_weights():
+  lw = np.log(np.array([0.5, 0.25, 0.25], np.float32))
+  loss = np.array([1.0, np.nan, 2.0], np.float32)
+  alive = np.isfinite(loss)
+  out = np.asarray(pf.update_log_weights(lw, loss, alive, temperature=2.0, forgetting=0.5))
+  np.testing.assert_allclose(out[[0, 2]], [0.5 * lw[0] - 2.0, 0.5 * lw[2] - 4.0], rtol=1e-6)
+  assert out[1] == -np.inf
+
+
+def _exchange_on_mesh(mesh, dp, tree, src):
+  specs = jax.tree.map(lambda _: P("particle"), tree)
+  fn = jax.jit(jax.shard_map(lambda t, s: pf.exchange(t, s, mesh_lib.PARTICLE, dp), mesh=mesh,
+                             in_specs=(specs, P()), out_specs=specs))
+  placed = jax.tree.map(lambda x: _sharded(mesh, x, P("particle")), tree)
+  return jax.device_get(fn(placed, _sharded(mesh, jnp.asarray(src, jnp.int32), P())))
+
+
+@pytest.mark.parametrize("dp,dd", MESH_SHAPES)
+@pytest.mark.parametrize("per_device", [1, 2, 4])
+def test_exchange_moves_exactly_state_at_src(dp, dd, per_device):
+  p = dp * per_device
+  mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
+  rng = np.random.default_rng(100 * dp + per_device)
+  tree = {"w": rng.normal(size=(p, 3, 2)).astype(np.float32), "count": np.arange(p, dtype=np.int32) * 10,
+          "nested": (rng.normal(size=(p,)).astype(np.float32),)}
+  sources = [np.arange(p), np.zeros(p, int), np.full(p, p - 1), np.arange(p)[::-1], rng.integers(0, p, size=p),
+             rng.permutation(p)]
+  for src in sources:
+    out = _exchange_on_mesh(mesh, dp, tree, src)
+    expect = jax.tree.map(lambda x: x[src], tree)
+    jax.tree.map(np.testing.assert_array_equal, out, expect)

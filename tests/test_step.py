@@ -1,0 +1,145 @@
+"""The SPMD train step against the plain reference (tests/reference.py) on several meshes."""
+import jax
+import numpy as np
+import pytest
+
+from tests import helpers
+from tests.reference import Reference
+
+# (Dp, Dd) meshes of the 8 fake devices, with L = 1, 2, 4 particles per device.
+MESHES = [(8, 1), (4, 2), (1, 8)]
+CASES = [(dp, dd, dp * l) for dp, dd in MESHES for l in (1, 2, 4)]
+
+
+def run_both(config, dp, dd, num_steps, poison=None):
+  """Runs ``num_steps`` of the SPMD step and of the reference from the same initial state."""
+  s = helpers.Setup(config, dp, dd)
+  init = s.host_state()
+  if poison is not None:  # NaN in one particle's parameters, in both implementations
+    leaf = jax.tree.leaves(init.params)[0]
+    leaf[poison] = np.nan
+    s.state = jax.device_put(init, jax.tree.map(lambda x: x.sharding, s.state))
+  ref = Reference(s.plain_model, s.tx, s.spec, init.params, init.batch_stats, init.opt_state, init.log_weights,
+                  init.rng)
+  spmd_records, ref_records = [], []
+  for images, labels in helpers.particle_batches(config.num_particles, num_steps):
+    s.state, m = s.train_step(s.state, s.put(images, labels))
+    spmd_records.append(jax.device_get(m))
+    ref_records.append(ref.train_step(images, labels))
+  return s, ref, spmd_records, ref_records
+
+
+def assert_same_run(s, ref, spmd_records, ref_records):
+  for k, (m, r) in enumerate(zip(spmd_records, ref_records)):
+    np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-4, atol=1e-5, err_msg=f"loss at step {k}")
+    np.testing.assert_array_equal(m["alive"], r["alive"], err_msg=f"alive at step {k}")
+    assert bool(m["resampled"]) == r["resampled"], f"resampling decision at step {k}"
+    np.testing.assert_array_equal(m["ancestors"], r["ancestors"], err_msg=f"ancestors at step {k}")
+    if "ess" in r:
+      np.testing.assert_allclose(m["ess"], r["ess"], rtol=1e-4, err_msg=f"ESS at step {k}")
+  final = s.host_state()
+  params, batch_stats, opt_state = ref.stacked()
+  helpers.assert_close(final.params, params)
+  helpers.assert_close(final.batch_stats, batch_stats)
+  helpers.assert_close(final.opt_state, opt_state)
+  np.testing.assert_allclose(final.log_weights, ref.log_w, rtol=1e-4, atol=1e-5)
+  assert int(final.num_resamples) == ref.num_resamples
+  assert int(final.step) == len(ref_records)
+
+
+@pytest.mark.parametrize("dp,dd,p", CASES)
+def test_ipf_step_matches_reference(dp, dd, p):
+  # High temperature and ess_threshold=0.9: resampling on most steps, with jitter on the copies.
+  config = helpers.tiny_config(num_particles=p, temperature=4.0, forgetting=0.8, correction=0.5,
+                               ess_threshold=0.9, jitter=1e-3)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  if p > 1:
+    assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
+  assert_same_run(s, ref, spmd, refr)
+
+
+@pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (2, 4, 4), (8, 1, 16)])
+def test_scheduled_resampling_matches_reference(dp, dd, p):
+  config = helpers.tiny_config(num_particles=p, temperature=0.5, correction=1.0, ess_threshold=0.0,
+                               resample_every=2)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  assert [r["resampled"] for r in refr] == [False, True, False, True]
+  assert_same_run(s, ref, spmd, refr)
+
+
+@pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (8, 1, 8)])
+def test_ensemble_mode_is_independent_particles(dp, dd, p):
+  config = helpers.tiny_config(num_particles=p, mode="ensemble", temperature=3.0, correction=0.7)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=3)
+  assert s.spec.temperature == 0 and s.spec.correction == 0 and not s.spec.resampling
+  assert_same_run(s, ref, spmd, refr)
+  np.testing.assert_allclose(np.exp(s.host_state().log_weights), 1.0 / p, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dp,dd,p,mode", [(4, 2, 8, "ipf"), (8, 1, 8, "ensemble")])
+def test_nan_particle_is_culled_and_others_match_reference(dp, dd, p, mode):
+  poisoned = 3
+  # No resampling in the first steps, so the culled particle stays visible, then one resample.
+  config = helpers.tiny_config(num_particles=p, mode=mode, temperature=1.0, correction=0.5,
+                               ess_threshold=0.0, resample_every=3)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=3, poison=poisoned)
+  for m in spmd[:2]:
+    assert not m["alive"][poisoned] and m["alive"].sum() == p - 1
+    assert m["log_weights"][poisoned] == -np.inf
+    assert int(m["num_alive"]) == p - 1
+  others = [i for i in range(p) if i != poisoned]
+  final = s.host_state()
+  params, _, _ = ref.stacked()
+  helpers.assert_close(jax.tree.map(lambda x: x[others], final.params), jax.tree.map(lambda x: x[others], params))
+  for leaf in jax.tree.leaves(jax.tree.map(lambda x: x[others], final.params)):
+    assert np.all(np.isfinite(leaf)), "a NaN reached a healthy particle"
+  if mode == "ipf":  # the third step resampled: the culled slot got a healthy copy
+    assert spmd[2]["resampled"] and spmd[2]["ancestors"][poisoned] != poisoned
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(final.params))
+  assert_same_run(s, ref, spmd, refr)
+
+
+def test_all_particles_nonfinite_skips_the_step():
+  config = helpers.tiny_config(num_particles=4)
+  s = helpers.Setup(config, 4, 2)
+  init = s.host_state()
+  for leaf in jax.tree.leaves(init.params):
+    leaf[...] = np.nan
+  s.state = jax.device_put(init, jax.tree.map(lambda x: x.sharding, s.state))
+  images, labels = helpers.particle_batches(4, 1)[0]
+  s.state, m = s.train_step(s.state, s.put(images, labels))
+  out = s.host_state()
+  assert int(m["num_alive"]) == 0 and int(out.num_skipped) == 1 and int(out.step) == 1
+  helpers.assert_close(out.opt_state, init.opt_state)
+  np.testing.assert_array_equal(out.log_weights, init.log_weights)
+
+
+@pytest.mark.parametrize("dp,dd", [(1, 8), (1, 4), (1, 1)])
+def test_single_particle_is_textbook_data_parallel_sgd(dp, dd):
+  """P = 1 equals full-batch SGD with momentum written out by hand."""
+  lr, mu, steps, total = 0.3, 0.9, 5, 10
+  config = helpers.tiny_config(num_particles=1, base_lr=lr, lr_scaling="none", warmup_steps=0,
+                               num_train_steps=total, momentum=mu, nesterov=False, weight_decay=0.0)
+  s = helpers.Setup(config, dp, dd)
+  init = s.host_state()
+  params = jax.tree.map(lambda x: x[0], init.params)
+  stats = jax.tree.map(lambda x: x[0], init.batch_stats)
+  velocity = jax.tree.map(np.zeros_like, params)
+
+  def loss_fn(params, stats, x, y):
+    logits, new = s.plain_model.apply({"params": params, "batch_stats": stats}, x, train=True,
+                                      mutable=["batch_stats"])
+    logp = jax.nn.log_softmax(logits)
+    return -jax.numpy.mean(logp[np.arange(len(y)), y]), new["batch_stats"]
+
+  grad = jax.jit(jax.grad(loss_fn, has_aux=True))
+  for k, (images, labels) in enumerate(helpers.particle_batches(1, steps)):
+    s.state, _ = s.train_step(s.state, s.put(images, labels))
+    g, stats = grad(params, stats, images[0], labels[0])
+    rate = lr * 0.5 * (1 + np.cos(np.pi * k / total))
+    velocity = jax.tree.map(lambda v, g: mu * v + np.asarray(g), velocity, g)
+    params = jax.tree.map(lambda p, v: p - rate * v, params, velocity)
+  out = s.host_state()
+  helpers.assert_close(jax.tree.map(lambda x: x[0], out.params), params)
+  helpers.assert_close(jax.tree.map(lambda x: x[0], out.batch_stats), stats)
+  assert not s.spec.resampling
