@@ -39,6 +39,8 @@ def get_config():
   # --- particles (DESIGN.md §3) ----------------------------------------------
   config.mode = "ipf"                  # ddp | ensemble | ipf (see README, "Modes")
   config.num_particles = 8             # P; 1 = plain DDP in any mode
+  config.init = "auto"                 # auto | shared | independent: one init for all particles (fusion needs it)
+                                       # or one per particle (deep ensemble); auto = independent in ensemble mode
   config.temperature = 1.0             # tau >= 0: log w <- rho log w - tau loss
   config.forgetting = 0.9              # rho in (0, 1]: memory of past losses in the weights
   config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient

@@ -15,6 +15,7 @@ from ipf_jax import mesh as mesh_lib
 MODES = ("ddp", "ensemble", "ipf")
 LR_SCALING = ("none", "linear", "sqrt")
 DTYPES = ("float32", "bfloat16")
+INITS = ("auto", "shared", "independent")
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,7 @@ class ParticleSpec:
   ess_threshold: float
   resample_every: int
   jitter: float
+  shared_init: bool
 
   @property
   def resampling(self) -> bool:
@@ -45,11 +47,12 @@ class ParticleSpec:
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
   """The effective particle settings: ``ensemble`` and ``ddp`` switch weights,
   correction and resampling off; ``ipf`` uses the configured values."""
+  shared = config.init == "shared" or (config.init == "auto" and config.mode != "ensemble")
   if config.mode == "ipf" and config.num_particles > 1:
     return ParticleSpec(config.num_particles, float(config.temperature), float(config.forgetting),
                         float(config.correction), float(config.ess_threshold), int(config.resample_every),
-                        float(config.jitter))
-  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0)
+                        float(config.jitter), shared)
+  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared)
 
 
 def _check(cond: bool, field: str, message: str):
@@ -73,6 +76,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check_choice(config, "mode", MODES)
   _check_choice(config, "lr_scaling", LR_SCALING)
   _check_choice(config, "dtype", DTYPES)
+  _check_choice(config, "init", INITS)
   p = config.num_particles
   _check(isinstance(p, int) and p >= 1, "num_particles", f"must be an integer >= 1, got {p!r}")
   if config.mode == "ddp":

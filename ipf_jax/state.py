@@ -54,12 +54,16 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
 
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
                        input_shape: tuple[int, ...], num_particles: int,
-                       mesh: jax.sharding.Mesh) -> ParticleState:
-  """Initialises ``P`` independent particles (each from its own key) directly sharded.
+                       mesh: jax.sharding.Mesh, shared_init: bool = False) -> ParticleState:
+  """Initialises ``P`` particles, created directly in their shards.
 
   Args:
-    rng: PRNG key; particle ``i`` is initialised from ``fold_in(split(rng)[0], i)``.
+    rng: PRNG key; particle ``i`` is initialised from ``fold_in(split(rng)[0], i)``,
+      or every particle from ``fold_in(split(rng)[0], 0)`` with ``shared_init``.
     input_shape: one example's shape, e.g. ``(8, 8, 1)``.
+    shared_init: start all particles from one point (like DDP replicas), so
+      that their weighted average (the fused model) is meaningful; otherwise
+      independent inits as in a deep ensemble.
   """
   init_rng, run_rng = jax.random.split(rng)
 
@@ -70,7 +74,7 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
     return params, batch_stats, tx.init(params)
 
   def init_all():
-    keys = jax.vmap(lambda i: jax.random.fold_in(init_rng, i))(jnp.arange(num_particles))
+    keys = jax.vmap(lambda i: jax.random.fold_in(init_rng, i))(jnp.arange(num_particles) * (not shared_init))
     params, batch_stats, opt_state = jax.vmap(init_one)(keys)
     return ParticleState(params=params, batch_stats=batch_stats, opt_state=opt_state,
                          log_weights=jnp.full((num_particles,), -jnp.log(num_particles), jnp.float32),

@@ -69,7 +69,7 @@ def evaluate(eval_step, state, dataset, batch_size: int, mesh) -> dict:
   return {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
 
 
-def format_eval_table(results: dict, log_weights: np.ndarray) -> str:
+def format_eval_table(results: dict, log_weights: np.ndarray, shared_init: bool = True) -> str:
   """One row per particle, the two ensembles and the fused model."""
   weights = np.exp(log_weights)
   rows = [("model", "weight", "accuracy", "NLL", "ECE")]
@@ -84,6 +84,8 @@ def format_eval_table(results: dict, log_weights: np.ndarray) -> str:
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
   lines.insert(1, "-" * len(lines[0]))
+  if not shared_init:
+    lines.append("(independent inits: the fused model averages unrelated networks and is not meaningful)")
   return "\n".join(lines)
 
 
@@ -111,7 +113,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tx = optim.create_optimizer(config)
   lr_fn = optim.create_learning_rate_fn(config)
   state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), model, tx, dataset.image_shape,
-                                       spec.num_particles, mesh)
+                                       spec.num_particles, mesh, shared_init=spec.shared_init)
   train_step = step_lib.make_train_step(model, tx, spec, mesh)
   eval_step = step_lib.make_eval_step(model, mesh)
   steps_per_epoch = dataset.steps_per_epoch(config.global_batch_size)
@@ -155,7 +157,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ---- final evaluation -------------------------------------------------------------------
   results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
   log.info("final evaluation on %d %s test examples:\n%s", len(dataset.test_labels), dataset.name,
-           format_eval_table(results, np.asarray(jax.device_get(state.log_weights))))
+           format_eval_table(results, np.asarray(jax.device_get(state.log_weights)), spec.shared_init))
   if workdir and jax.process_index() == 0:
     with open(os.path.join(workdir, "eval_results.json"), "w") as f:
       json.dump(jax.tree.map(lambda x: np.asarray(x).tolist(), results), f, indent=1)

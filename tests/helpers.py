@@ -24,6 +24,7 @@ def tiny_config(**overrides):
   config.warmup_steps = 2
   config.num_train_steps = 20
   config.base_lr = 0.5
+  config.init = "independent"  # distinct particles from step 0: every exchange is visible
   for k, v in overrides.items():
     config[k] = v
   return config
@@ -62,7 +63,7 @@ class Setup:
     self.plain_model = create_model(config, 10, bn_axis_name=None)
     self.tx = optim.create_optimizer(config)
     self.state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), self.model, self.tx, (8, 8, 1),
-                                              config.num_particles, self.mesh)
+                                              config.num_particles, self.mesh, self.spec.shared_init)
     self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh)
 
   def put(self, images, labels):

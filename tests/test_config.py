@@ -27,6 +27,7 @@ def cfg(**kw):
     (dict(forgetting=0.0), 8, "forgetting", "(0, 1]"),
     (dict(ess_threshold=2.0), 8, "ess_threshold", "[0, 1]"),
     (dict(lr_scaling="cubic"), 8, "lr_scaling", "none, linear, sqrt"),
+    (dict(init="random"), 8, "init", "auto, shared, independent"),
     (dict(particle_axis_size=3), 8, "particle_axis_size", "divisor of 8"),
     (dict(num_train_steps=0), 8, "num_train_steps", ">= 1"),
     (dict(eval_batch_size=3, num_particles=1, global_batch_size=64), 8, "eval_batch_size", "multiple of the 8"),
@@ -53,3 +54,6 @@ def test_modes_resolve_to_one_code_path():
   ipf = configuration.particle_spec(cfg(mode="ipf", temperature=2.0, correction=0.25))
   assert (ipf.temperature, ipf.correction, ipf.resampling) == (2.0, 0.25, True)
   assert default.get_config().mode == "ipf"
+  assert ipf.shared_init and not ens.shared_init
+  assert configuration.particle_spec(cfg(mode="ensemble", init="shared")).shared_init
+  assert not configuration.particle_spec(cfg(mode="ipf", init="independent")).shared_init
