@@ -14,6 +14,9 @@ def get_config():
   config.num_train_steps = 300         # optimisation steps
   config.log_every_steps = 25          # progress line every N steps
   config.eval_every_steps = 0          # evaluate every N steps (0 = only at the end)
+  config.checkpoint_every_steps = 100  # save the whole state every N steps and at the end (0 = only at the end)
+  config.keep_checkpoints = 3          # keep the newest K checkpoints
+  config.async_checkpointing = True    # write checkpoints in the background while training goes on
 
   # --- data ------------------------------------------------------------------
   config.dataset = "digits"            # digits (scikit-learn, embedded)

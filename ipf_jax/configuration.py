@@ -73,7 +73,11 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   Raises:
     ConfigError: naming the first field that cannot work.
   """
+  from ipf_jax.data import DATASETS
+  from ipf_jax.models import MODELS
   _check_choice(config, "mode", MODES)
+  _check_choice(config, "dataset", DATASETS)
+  _check_choice(config, "model", MODELS)
   _check_choice(config, "lr_scaling", LR_SCALING)
   _check_choice(config, "dtype", DTYPES)
   _check_choice(config, "init", INITS)
@@ -91,7 +95,18 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.jitter >= 0, "jitter", f"must be >= 0, got {config.jitter}")
   _check(config.num_train_steps >= 1, "num_train_steps", f"must be >= 1, got {config.num_train_steps}")
   _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
+  _check(config.checkpoint_every_steps >= 0, "checkpoint_every_steps",
+         f"must be >= 0 (0 = only at the end), got {config.checkpoint_every_steps}")
+  _check(config.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {config.keep_checkpoints}")
   _check(config.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0, got {config.eval_every_steps}")
+  _check(len(config.cnn_features) >= 1 and all(int(f) >= 1 for f in config.cnn_features), "cnn_features",
+         f"must be a non-empty list of positive channel counts, got {config.cnn_features!r}")
+  _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
+  _check(config.num_devices >= 0, "num_devices", f"must be >= 0 (0 = all), got {config.num_devices}")
+  _check(config.particle_axis_size >= 0, "particle_axis_size",
+         f"must be >= 0 (0 = gcd(num_particles, devices)), got {config.particle_axis_size}")
+  _check(config.num_cpu_devices >= 0, "num_cpu_devices", f"must be >= 0 (0 = leave), got {config.num_cpu_devices}")
+  _check(config.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {config.global_batch_size}")
   _check(config.base_lr > 0, "base_lr", f"must be > 0, got {config.base_lr}")
   _check(config.reference_batch_size >= 1, "reference_batch_size", f"must be >= 1, got {config.reference_batch_size}")
   _check(config.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {config.warmup_steps}")
@@ -100,21 +115,27 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {config.grad_clip_norm}")
 
   n = config.num_devices or available_devices
-  _check(1 <= n <= available_devices, "num_devices",
+  _check(n <= available_devices, "num_devices",
          f"asks for {config.num_devices} devices but {available_devices} exist; "
          f"use num_devices=0 (all) or a value <= {available_devices}")
   dp = config.particle_axis_size
   if dp:
     _check(n % dp == 0, "particle_axis_size",
-           f"{dp} does not divide the {n} devices; use a divisor of {n} such as {math.gcd(p, n)}")
+           f"{dp} does not divide the {n} devices; use a divisor of {n} such as {math.gcd(p, n)}, "
+           f"or 0 for gcd(num_particles, devices)")
     _check(p % dp == 0, "num_particles",
            f"{p} particles cannot be split over particle_axis_size={dp}; use a multiple of {dp} "
-           f"(e.g. {dp * max(1, p // dp)}) or set particle_axis_size to a divisor of {p}")
+           f"(e.g. {dp * max(1, p // dp)}), set particle_axis_size to a divisor of {p}, or 0 to choose "
+           f"gcd({p}, devices) (e.g. {math.gcd(p, n)} on these {n} devices)")
   dp, dd = mesh_lib.mesh_shape(p, n, dp)
   g = config.global_batch_size
+  axis = config.particle_axis_size
+  fits = [d for d in range(1, available_devices + 1)
+          if (not axis or d % axis == 0) and g % (p * mesh_lib.mesh_shape(p, d, axis)[1]) == 0]
   _check(g % (p * dd) == 0, "global_batch_size",
          f"{g} is not divisible by num_particles x data devices = {p} x {dd} = {p * dd}; "
-         f"use a multiple of {p * dd} such as {max(1, g // (p * dd)) * p * dd}")
+         f"use a multiple of {p * dd} such as {max(1, g // (p * dd)) * p * dd}"
+         + (f", or run on num_devices in {fits}" if fits else ""))
   _check(config.eval_batch_size % dd == 0 and config.eval_batch_size > 0, "eval_batch_size",
          f"{config.eval_batch_size} must be a positive multiple of the {dd} data devices")
   return dp, dd

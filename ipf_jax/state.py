@@ -52,10 +52,10 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
                       specs, state_shape, is_leaf=lambda x: isinstance(x, P))
 
 
-def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
-                       input_shape: tuple[int, ...], num_particles: int,
-                       mesh: jax.sharding.Mesh, shared_init: bool = False) -> ParticleState:
-  """Initialises ``P`` particles, created directly in their shards.
+def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
+                     input_shape: tuple[int, ...], num_particles: int,
+                     mesh: jax.sharding.Mesh, shared_init: bool = False):
+  """The sharded abstract state (for restoring) and a jitted function that initialises it.
 
   Args:
     rng: PRNG key; particle ``i`` is initialised from ``fold_in(split(rng)[0], i)``,
@@ -64,6 +64,9 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
     shared_init: start all particles from one point (like DDP replicas), so
       that their weighted average (the fused model) is meaningful; otherwise
       independent inits as in a deep ensemble.
+  Returns:
+    ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
+    ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
   """
   init_rng, run_rng = jax.random.split(rng)
 
@@ -82,4 +85,12 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
                          num_resamples=jnp.zeros((), jnp.int32), num_skipped=jnp.zeros((), jnp.int32))
 
   shape = jax.eval_shape(init_all)
-  return jax.jit(init_all, out_shardings=state_shardings(mesh, shape))()
+  shardings = state_shardings(mesh, shape)
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, shardings)
+  return abstract, jax.jit(init_all, out_shardings=shardings)
+
+
+def create_train_state(*args, **kwargs) -> ParticleState:
+  """Initialises ``P`` particles, created directly in their shards (see ``train_state_init``)."""
+  _, init = train_state_init(*args, **kwargs)
+  return init()

@@ -23,9 +23,9 @@ from ipf_jax.state import ParticleState, state_specs
 
 BATCH_SPEC = {"image": P(PARTICLE, DATA), "label": P(PARTICLE, DATA)}
 EVAL_BATCH_SPEC = {"image": P(DATA), "label": P(DATA), "mask": P(DATA)}
-TRAIN_METRIC_SPECS = {"loss": P(PARTICLE), "alive": P(PARTICLE), "grad_norm": P(PARTICLE),
-                      "log_weights": P(PARTICLE), "ess": P(), "resampled": P(), "ancestors": P(),
-                      "num_alive": P()}
+# Metrics leave the step replicated (per-particle ones gathered to [P]), so any
+# process of a multi-host run can read them.
+TRAIN_METRIC_SPECS = P()
 
 
 def _per_particle(mask, x):
@@ -103,25 +103,26 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     # 4. Per-particle optimizer update.
     updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
     particle = (optax.apply_updates(state.params, updates), batch_stats, opt_state)
-    # 5. Resampling, decided inside the step.
+    # 5. Resampling, decided inside the step: low ESS, a culled particle to replace, or the schedule.
     ess = pf.ess(log_w, PARTICLE)
+    num_alive = lax.psum(alive.sum(dtype=jnp.int32), PARTICLE)
     new_log_w, src, resampled = log_w, jnp.arange(num_particles, dtype=jnp.int32), jnp.zeros((), bool)
     if spec.resampling:
-      resampled = ess < spec.ess_threshold * num_particles
+      resampled = (ess < spec.ess_threshold * num_particles) | ((num_alive < num_particles) & (num_alive > 0))
       if spec.resample_every:
         resampled |= (state.step + 1) % spec.resample_every == 0
       particle, new_log_w, src = lax.cond(resampled, lambda p, w: resample(step_key, p, w),
                                           lambda p, w: (p, w, src), particle, log_w)
-    num_alive = lax.psum(alive.sum(dtype=jnp.int32), PARTICLE)
     ok = num_alive > 0  # nothing finite: skip the update (DDP's skipped step)
     params, batch_stats, opt_state = particle
     updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, log_weights=new_log_w,
                             num_resamples=state.num_resamples + resampled.astype(jnp.int32))
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
     new_state = new_state.replace(step=state.step + 1, num_skipped=state.num_skipped + (~ok).astype(jnp.int32))
-    metrics = {"loss": loss, "alive": alive, "grad_norm": jax.vmap(optax.tree.norm)(grads),
-               "log_weights": log_w, "ess": ess, "resampled": resampled & ok, "ancestors": src,
-               "num_alive": num_alive}
+    per_particle = {"loss": loss, "alive": alive.astype(jnp.int32), "grad_norm": jax.vmap(optax.tree.norm)(grads),
+                    "log_weights": log_w}
+    metrics = {**jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
+               "ess": ess, "resampled": resampled & ok, "ancestors": src, "num_alive": num_alive}
     return new_state, metrics
 
   specs = state_specs()
@@ -135,7 +136,7 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
 
   ``batch`` is ``{"image": [N, ...], "label": [N], "mask": [N]}`` sharded over
   ``"data"`` and seen by every particle. Returns additive sums (see
-  ``metrics.classification_sums``): ``particles`` with a leading ``[P]`` axis,
+  ``metrics.classification_sums``), replicated: ``particles`` with a leading ``[P]`` axis,
   ``ensemble`` (``sum_i w_i softmax(f(theta_i, x))``), ``ensemble_uniform``
   (equal weights over finite particles) and ``fused`` (``f(sum_i w_i theta_i)``
   with ``sum_i w_i beta_i`` BatchNorm statistics).
@@ -154,12 +155,11 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
     uniform = correction.weighted_sum(probs, alive, PARTICLE) / lax.psum(alive.sum(), PARTICLE)
     fused_params = correction.fuse(state.params, w, PARTICLE)
     fused_stats = correction.fuse(state.batch_stats, w, PARTICLE)
-    sums = {"particles": per_particle,
+    sums = {"particles": jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
             "ensemble": metrics_lib.classification_sums(ensemble, label, mask),
             "ensemble_uniform": metrics_lib.classification_sums(uniform, label, mask),
             "fused": metrics_lib.classification_sums(predict(fused_params, fused_stats, image), label, mask)}
-    return lax.psum(sums, DATA)
+    return {**lax.psum(sums, DATA), "weights": pf.gather_all(w, PARTICLE)}
 
-  out_specs = {"particles": P(PARTICLE), "ensemble": P(), "ensemble_uniform": P(), "fused": P()}
-  sharded = jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC), out_specs=out_specs)
+  sharded = jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC), out_specs=P())
   return jax.jit(sharded)

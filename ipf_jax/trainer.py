@@ -11,6 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
@@ -26,6 +27,10 @@ log = logging.getLogger("ipf_jax")
 
 class NonFiniteError(FloatingPointError):
   """Every particle's loss or gradient became non-finite."""
+
+
+class WorkdirError(OSError):
+  """The workdir cannot be created or written."""
 
 
 def setup_devices(config: ml_collections.ConfigDict) -> None:
@@ -56,6 +61,8 @@ def setup_logging(workdir: str) -> None:
 
 
 def _fmt_time(seconds: float) -> str:
+  if not np.isfinite(seconds):
+    return "--"
   seconds = int(max(seconds, 0))
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
@@ -65,13 +72,31 @@ def evaluate(eval_step, state, dataset, batch_size: int, mesh) -> dict:
   total = None
   for batch in dataset.eval_batches(batch_size):
     sums = eval_step(state, layout.put_eval_batch(batch, mesh))
+    weights = sums.pop("weights")
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
-  return {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
+  results = {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
+  results["weights"] = np.asarray(jax.device_get(weights))
+  return results
 
 
-def format_eval_table(results: dict, log_weights: np.ndarray, shared_init: bool = True) -> str:
-  """One row per particle, the two ensembles and the fused model."""
-  weights = np.exp(log_weights)
+def prepare_workdir(workdir: str) -> None:
+  """Creates ``workdir``; its parent must exist and it must be writable."""
+  parent = os.path.dirname(os.path.abspath(workdir))
+  if not os.path.isdir(parent):
+    raise WorkdirError(f"--workdir {workdir}: the parent directory {parent} does not exist; create it first "
+                       "or choose another --workdir")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise WorkdirError(f"--workdir {workdir}: cannot be created ({e.strerror}); choose a writable location") from None
+  if not os.access(workdir, os.W_OK | os.X_OK) or not os.path.isdir(workdir):
+    raise WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose "
+                       "another --workdir")
+
+
+def format_eval_table(results: dict, shared_init: bool = True) -> str:
+  """One row per particle (with its weight), the two ensembles and the fused model."""
+  weights = results["weights"]
   rows = [("model", "weight", "accuracy", "NLL", "ECE")]
   p = results["particles"]
   for i in range(len(weights)):
@@ -89,31 +114,55 @@ def format_eval_table(results: dict, log_weights: np.ndarray, shared_init: bool 
   return "\n".join(lines)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results."""
+def _check_finite(state, num_particles: int, step: int) -> int:
+  """Number of skipped (non-finite) steps; with several particles, any is fatal."""
+  skipped = int(state.num_skipped)
+  if skipped and num_particles > 1:
+    raise NonFiniteError(f"step {step}: every particle's loss or gradient is non-finite. The update was skipped "
+                         "and no checkpoint was written after it; the last good checkpoint is kept. Lower "
+                         "config.base_lr or set config.grad_clip_norm, then run again to resume.")
+  return skipped
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hook=None) -> dict:
+  """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
+
+  Resumes from the newest readable checkpoint in ``workdir/checkpoints`` if
+  there is one. ``step_hook(step, state, batch) -> (state, batch)``, if
+  given, runs before every step (fault-injection tests).
+  """
   # ---- setup ------------------------------------------------------------------------------
   setup_devices(config)
   dp, dd = configuration.validate(config, jax.device_count())
-  if workdir:
-    os.makedirs(workdir, exist_ok=True)
+  prepare_workdir(workdir)
   setup_logging(workdir)
-  if workdir and jax.process_index() == 0:
+  if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
   devices = jax.devices()[:config.num_devices or jax.device_count()]
   mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
   spec = configuration.particle_spec(config)
-  log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s)  batch %d = %d particles x %d",
-           config.mode, spec.num_particles, dp, dd, len(devices), devices[0].platform, config.global_batch_size,
-           spec.num_particles, config.global_batch_size // spec.num_particles)
+  log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
+           "batch %d = %d particles x %d", config.mode, spec.num_particles, dp, dd, len(devices),
+           devices[0].platform, jax.process_count(), config.global_batch_size, spec.num_particles,
+           config.global_batch_size // spec.num_particles)
 
   # ---- data, model, state -----------------------------------------------------------------
   dataset = create_dataset(config)
   model = create_model(config, dataset.num_classes, bn_axis_name=mesh_lib.DATA)
   tx = optim.create_optimizer(config)
   lr_fn = optim.create_learning_rate_fn(config)
-  state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), model, tx, dataset.image_shape,
-                                       spec.num_particles, mesh, shared_init=spec.shared_init)
+  abstract_state, init_state = state_lib.train_state_init(
+      jax.random.PRNGKey(config.seed), model, tx, dataset.image_shape, spec.num_particles, mesh,
+      shared_init=spec.shared_init)
+  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing)
+  restored = ckpt.restore_latest(abstract_state, config)
+  if restored is None:
+    state = init_state()
+  else:
+    state, meta = restored
+    log.info("resumed from %s at step %d (written on %d device(s))", ckpt.directory / str(meta["step"]),
+             int(state.step), meta["num_devices"])
   train_step = step_lib.make_train_step(model, tx, spec, mesh)
   eval_step = step_lib.make_eval_step(model, mesh)
   steps_per_epoch = dataset.steps_per_epoch(config.global_batch_size)
@@ -126,20 +175,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   for step in range(start, total):
     batch = layout.put_train_batch(dataset.train_batch(step, config.global_batch_size, config.seed),
                                    spec.num_particles, mesh)
+    if step_hook is not None:
+      state, batch = step_hook(step, state, batch)
     state, m = train_step(state, batch)
     done = step + 1
     if done % config.log_every_steps == 0 or done == total:
       m = jax.device_get(m)
-      skipped = int(state.num_skipped)
-      if skipped and spec.num_particles > 1:
-        raise NonFiniteError(f"step {done}: every particle's loss or gradient is non-finite; the update was "
-                             "skipped and the state holds the last finite step. Lower config.base_lr, or "
-                             "enable config.grad_clip_norm.")
+      skipped = _check_finite(state, spec.num_particles, done)
       now = time.perf_counter()
       rate = (done - last_step) / (now - t_last)
-      alive = m["alive"]
       w = np.exp(m["log_weights"])
-      loss = float(np.sum(np.where(alive, w * np.nan_to_num(m["loss"]), 0.0)))
+      loss = float(np.sum(np.where(m["alive"] > 0, w * np.nan_to_num(m["loss"]), 0.0)))
       eta = (total - done) / rate if done > start + 1 else float("nan")
       log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s  "
                "lr %.4g  %.1f steps/s  ETA %s", done, total, done / steps_per_epoch, loss, float(m["ess"]),
@@ -147,18 +193,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                spec.num_particles, f"  skipped {skipped}" if skipped else "", float(lr_fn(done)), rate,
                _fmt_time(eta))
       t_last, last_step = now, done
+    if done == total or (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0):
+      _check_finite(state, spec.num_particles, done)
+      ckpt.save(done, state, config)
     if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
       results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
       log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done, 100 * results["ensemble"]["accuracy"],
                100 * results["fused"]["accuracy"])
-  elapsed = time.perf_counter() - t_start
-  log.info("trained %d steps in %s (%.1f steps/s)", total - start, _fmt_time(elapsed), (total - start) / max(elapsed, 1e-9))
+  if total > start:
+    elapsed = time.perf_counter() - t_start
+    log.info("trained %d steps in %s (%.1f steps/s)", total - start, _fmt_time(elapsed),
+             (total - start) / max(elapsed, 1e-9))
+  ckpt.close()
 
   # ---- final evaluation -------------------------------------------------------------------
   results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
-  log.info("final evaluation on %d %s test examples:\n%s", len(dataset.test_labels), dataset.name,
-           format_eval_table(results, np.asarray(jax.device_get(state.log_weights)), spec.shared_init))
-  if workdir and jax.process_index() == 0:
+  log.info("final evaluation at step %d on %d %s test examples:\n%s", int(state.step), len(dataset.test_labels),
+           dataset.name, format_eval_table(results, spec.shared_init))
+  if jax.process_index() == 0:
     with open(os.path.join(workdir, "eval_results.json"), "w") as f:
       json.dump(jax.tree.map(lambda x: np.asarray(x).tolist(), results), f, indent=1)
   return results

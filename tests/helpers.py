@@ -78,3 +78,25 @@ def assert_close(actual, expected, rtol=2e-4, atol=2e-5):
   import chex
   chex.assert_trees_all_close(jax.tree.map(np.asarray, actual), jax.tree.map(np.asarray, expected),
                               rtol=rtol, atol=atol)
+
+
+def load_checkpoint_numpy(path):
+  """A saved state as numpy arrays, whatever mesh wrote it."""
+  import orbax.checkpoint as ocp
+  from jax.sharding import SingleDeviceSharding
+  ckptr = ocp.StandardCheckpointer()
+  tree = ckptr.metadata(path).item_metadata.tree
+  dev = SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), tree)
+  return jax.tree.map(np.asarray, ckptr.restore(path, target))
+
+
+def run_train_py(workdir, *flags, env=None, timeout=600):
+  """``python train.py --config configs/digits.py --workdir WORKDIR FLAGS`` as a user runs it."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir),
+                         *flags], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
+                        capture_output=True, text=True, timeout=timeout)

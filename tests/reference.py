@@ -119,7 +119,8 @@ class Reference:
     record["ess"] = ess
     record["log_weights"] = log_w
     resample = p > 1 and (s.ess_threshold > 0 or s.resample_every > 0) and (
-        ess < s.ess_threshold * p or (s.resample_every > 0 and (self.step + 1) % s.resample_every == 0))
+        ess < s.ess_threshold * p or not all(alive)
+        or (s.resample_every > 0 and (self.step + 1) % s.resample_every == 0))
     if resample:
       u = float(jax.random.uniform(jax.random.fold_in(key, 0)))
       src = survivor_slots(systematic_ancestors(w, u))

@@ -1,16 +1,7 @@
 """train.py end to end on real digits, as a user runs it."""
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_train(tmp_path, *flags):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(tmp_path),
-                         *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+from tests.helpers import run_train_py as run_train
 
 
 def test_train_py_digits_smoke(tmp_path):

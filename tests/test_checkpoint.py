@@ -1,0 +1,116 @@
+"""Checkpoints: exact resume after SIGKILL, corrupt fallback, incompatible configs, resharded restore."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import digits
+from ipf_jax import checkpoint as checkpoint_lib
+from ipf_jax import configuration
+from ipf_jax import mesh as mesh_lib
+from ipf_jax import state as state_lib
+from tests import helpers
+
+STEPS = 30
+FLAGS = (f"--config.num_train_steps={STEPS}", "--config.checkpoint_every_steps=5", "--config.log_every_steps=1")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """A run that was never killed."""
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  r = helpers.run_train_py(workdir, *FLAGS)
+  assert r.returncode == 0, r.stdout + r.stderr
+  return workdir
+
+
+def assert_same_state(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(tmp_path), *FLAGS]
+  proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    for line in proc.stdout:  # bounded: the run ends by itself at step 30
+      if f"step 17/{STEPS}" in line:
+        proc.send_signal(signal.SIGKILL)
+        break
+  finally:
+    proc.kill()
+    proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, "the run must have been killed mid-way"
+  saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+  assert saved and max(saved) < STEPS
+  r = helpers.run_train_py(tmp_path, *FLAGS)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert f"resumed from {tmp_path / 'checkpoints' / str(max(saved))} at step {max(saved)}" in r.stdout
+  assert_same_state(helpers.load_checkpoint_numpy(tmp_path / "checkpoints" / str(STEPS) / "state"),
+                    helpers.load_checkpoint_numpy(uninterrupted / "checkpoints" / str(STEPS) / "state"))
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_path):
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  latest = workdir / "checkpoints" / str(STEPS)
+  for dirpath, _, files in os.walk(latest / "state"):  # truncate every data file of the newest checkpoint
+    for f in files:
+      open(os.path.join(dirpath, f), "w").close()
+  r = helpers.run_train_py(workdir, *FLAGS)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert f"checkpoint {latest} cannot be read" in r.stdout
+  assert f"resumed from {workdir / 'checkpoints' / str(STEPS - 5)} at step {STEPS - 5}" in r.stdout
+  assert (workdir / "checkpoints" / f"{STEPS}.unreadable").is_dir(), "the unreadable checkpoint must be kept"
+  # Training the last 5 steps again reproduces the lost checkpoint exactly.
+  assert_same_state(helpers.load_checkpoint_numpy(latest / "state"),
+                    helpers.load_checkpoint_numpy(uninterrupted / "checkpoints" / str(STEPS) / "state"))
+
+
+@pytest.mark.parametrize("flag,field", [("--config.num_particles=4", "num_particles"),
+                                        ("--config.cnn_features=(16,32)", "cnn_features"),
+                                        ("--config.momentum=0.0", "momentum")])
+def test_incompatible_checkpoint_names_the_field(uninterrupted, tmp_path, flag, field):
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  before = sorted(os.listdir(workdir / "checkpoints"))
+  r = helpers.run_train_py(workdir, *FLAGS, flag)
+  assert r.returncode != 0
+  assert f"error: the checkpoint in {workdir / 'checkpoints' / str(STEPS)} was written with config.{field}=" in r.stderr
+  assert "Traceback" not in r.stderr
+  assert sorted(os.listdir(workdir / "checkpoints")) == before, "nothing saved may change"
+
+
+@pytest.mark.parametrize("dp,dd", [(4, 1), (2, 2), (1, 2), (8, 1)])
+def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
+  config = helpers.tiny_config(num_particles=8)
+  src = helpers.Setup(config, 8, 1)
+  images, labels = helpers.particle_batches(8, 1)[0]
+  src.state, _ = src.train_step(src.state, src.put(images, labels))
+  saved = src.host_state()
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), async_save=False)
+  ckpt.save(1, src.state, config)
+  ckpt.close()
+
+  target = helpers.tiny_config(num_particles=8)
+  dst = helpers.Setup(target, dp, dd)
+  abstract, _ = state_lib.train_state_init(jax.random.PRNGKey(0), dst.model, dst.tx, (8, 8, 1), 8, dst.mesh)
+  restored, meta = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(abstract, target)
+  assert meta["num_devices"] == jax.device_count()
+  assert restored.params["Dense_0"]["kernel"].sharding.mesh.shape == {"particle": dp, "data": dd}
+  assert_same_state(jax.device_get(restored), saved)
+  dst.state, m = dst.train_step(restored, dst.put(images, labels))  # training goes on on the new mesh
+  assert int(m["num_alive"]) == 8 and int(dst.state.step) == 2
+
+
+def test_impossible_target_names_a_device_count_that_works():
+  config = digits.get_config()
+  config.num_devices = 3  # 8 particles on 3 devices: (Dp, Dd) = (1, 3) and 128 % 24 != 0
+  with pytest.raises(configuration.ConfigError, match=r"run on num_devices in \[1, 2, 4, 8\]"):
+    configuration.validate(config, 8)
