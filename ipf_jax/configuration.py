@@ -37,11 +37,7 @@ class ParticleSpec:
   resample_every: int
   jitter: float
   shared_init: bool
-
-  @property
-  def resampling(self) -> bool:
-    """Whether the step contains the resampling branch at all."""
-    return self.num_particles > 1 and (self.ess_threshold > 0 or self.resample_every > 0)
+  resampling: bool  # whether the step has the resampling branch at all (ipf mode, P > 1)
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -51,8 +47,8 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
   if config.mode == "ipf" and config.num_particles > 1:
     return ParticleSpec(config.num_particles, float(config.temperature), float(config.forgetting),
                         float(config.correction), float(config.ess_threshold), int(config.resample_every),
-                        float(config.jitter), shared)
-  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared)
+                        float(config.jitter), shared, resampling=True)
+  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False)
 
 
 def _check(cond: bool, field: str, message: str):

@@ -118,7 +118,7 @@ class Reference:
     ess = 1.0 / np.sum(w ** 2)
     record["ess"] = ess
     record["log_weights"] = log_w
-    resample = p > 1 and (s.ess_threshold > 0 or s.resample_every > 0) and (
+    resample = s.resampling and (
         ess < s.ess_threshold * p or not all(alive)
         or (s.resample_every > 0 and (self.step + 1) % s.resample_every == 0))
     if resample:

@@ -1,0 +1,62 @@
+"""The eval step (every particle, both ensembles, the fused model) against numpy, on several meshes."""
+import jax
+import numpy as np
+import pytest
+
+from ipf_jax import step as step_lib
+from ipf_jax import trainer
+from tests import helpers
+
+
+def numpy_metrics(probs, labels, bins=15):
+  conf, pred = probs.max(-1), probs.argmax(-1)
+  correct = (pred == labels).astype(float)
+  nll = -np.log(np.maximum(probs[np.arange(len(labels)), labels], 1e-12))
+  ece = 0.0
+  which = np.minimum((conf * bins).astype(int), bins - 1)
+  for b in range(bins):
+    sel = which == b
+    if sel.any():
+      ece += sel.sum() / len(labels) * abs(correct[sel].mean() - conf[sel].mean())
+  return {"accuracy": correct.mean(), "nll": nll.mean(), "ece": ece}
+
+
+@pytest.mark.parametrize("dp,dd,p", [(8, 1, 8), (4, 2, 8), (1, 8, 2), (2, 4, 4)])
+def test_eval_matches_numpy(dp, dd, p):
+  config = helpers.tiny_config(num_particles=p, init="shared", eval_batch_size=64)
+  s = helpers.Setup(config, dp, dd)
+  for images, labels in helpers.particle_batches(p, 3):  # a few steps so that particles differ
+    s.state, _ = s.train_step(s.state, s.put(images, labels))
+  host = s.host_state()
+  rng = np.random.default_rng(p)
+  log_w = np.log(rng.dirichlet(np.ones(p))).astype(np.float32)
+  if p > 2:  # a culled particle with NaN parameters must not reach any metric
+    log_w[1] = -np.inf
+    for leaf in jax.tree.leaves(host.params):
+      leaf[1] = np.nan
+  log_w = log_w - np.logaddexp.reduce(log_w[np.isfinite(log_w)])
+  host = host.replace(log_weights=log_w)
+  state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, s.state))
+
+  data = helpers.digits_data()
+  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh), state, data, config.eval_batch_size, s.mesh)
+
+  x, y = data.test_images, data.test_labels
+  apply = jax.jit(lambda v: jax.nn.softmax(s.plain_model.apply(v, x, train=False)))
+  variables = lambda i: {"params": jax.tree.map(lambda a: a[i], host.params),
+                         "batch_stats": jax.tree.map(lambda a: a[i], host.batch_stats)}
+  w = np.exp(log_w.astype(np.float64))
+  alive = [i for i in range(p) if w[i] > 0]
+  probs = {i: np.asarray(apply(variables(i)), np.float64) for i in range(p)}
+  fused = jax.tree.map(lambda a: np.sum([w[i] * a[i] for i in alive], axis=0).astype(np.float32),
+                       {"params": host.params, "batch_stats": host.batch_stats})
+  expected = {"ensemble": numpy_metrics(sum(w[i] * probs[i] for i in alive), y),
+              "ensemble_uniform": numpy_metrics(sum(probs[i] for i in alive) / len(alive), y),
+              "fused": numpy_metrics(np.asarray(apply(fused), np.float64), y)}
+  for key, exp in expected.items():
+    for metric, value in exp.items():
+      np.testing.assert_allclose(results[key][metric], value, rtol=1e-4, atol=1e-5, err_msg=f"{key} {metric}")
+  for i in alive:
+    for metric, value in numpy_metrics(probs[i], y).items():
+      np.testing.assert_allclose(results["particles"][metric][i], value, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(results["weights"], w, rtol=1e-5, atol=1e-7)
