@@ -15,6 +15,7 @@ from ml_collections import config_flags
 from ipf_jax import checkpoint
 from ipf_jax import configuration
 from ipf_jax import trainer
+from ipf_jax.data.errors import DataError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/digits", "Directory for checkpoints, logs, config and results; "
@@ -53,7 +54,8 @@ def main(argv):
   init_distributed()
   try:
     trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  except (configuration.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, trainer.WorkdirError) as e:
+  except (configuration.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, trainer.WorkdirError,
+          DataError) as e:
     raise SystemExit(f"error: {e}") from None
 
 

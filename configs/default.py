@@ -11,22 +11,29 @@ def get_config():
 
   # --- run -----------------------------------------------------------------
   config.seed = 0                      # PRNG seed: particle init, resampling, data order
-  config.num_train_steps = 300         # optimisation steps
+  config.num_train_steps = 300         # train steps (one global batch each)
+  config.num_epochs = 0.0              # if > 0: train this many epochs instead of num_train_steps
   config.log_every_steps = 25          # progress line every N steps
   config.eval_every_steps = 0          # evaluate every N steps (0 = only at the end)
-  config.checkpoint_every_steps = 100  # save the whole state every N steps and at the end (0 = only at the end)
+  config.checkpoint_every_steps = 100  # save the whole state every N steps and at the end (0 = only at the end,
+                                       # -1 = never: no resuming)
   config.keep_checkpoints = 3          # keep the newest K checkpoints
   config.async_checkpointing = True    # write checkpoints in the background while training goes on
 
   # --- data ------------------------------------------------------------------
-  config.dataset = "digits"            # digits (scikit-learn, embedded)
+  config.dataset = "digits"            # digits (scikit-learn, embedded) | imagenet2012 | cifar10 | cifar100 (TFDS)
+  config.data_dir = ""                 # TFDS data_dir holding the prepared dataset ("" = TFDS default)
+  config.image_size = 224              # TFDS datasets: training/eval crop size
+  config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer
   config.global_batch_size = 128       # G: examples per step, over all particles and devices
   config.eval_batch_size = 256         # examples per eval step (padded, masked)
 
   # --- model -----------------------------------------------------------------
-  config.model = "cnn"                 # cnn (small, for 8x8 digits)
+  config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny
   config.cnn_features = (32, 64, 128)  # channels of the cnn's conv stages
-  config.dtype = "float32"             # compute dtype: float32 | bfloat16
+  config.small_inputs = False          # resnets: 3x3 stem without max-pool, for 32x32 images
+  config.remat = False                 # resnets: recompute each block in the backward pass (less memory)
+  config.dtype = "float32"             # compute dtype: float32 | bfloat16 (params and optimizer stay float32)
   config.bn_momentum = 0.9             # BatchNorm running-average momentum
 
   # --- optimiser -------------------------------------------------------------
@@ -34,6 +41,9 @@ def get_config():
   config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size
   config.reference_batch_size = 256    # batch size at which base_lr applies
   config.warmup_steps = 20             # linear warmup, then cosine decay to 0
+  config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
+  config.label_smoothing = 0.0         # cross-entropy label smoothing
+  config.grad_accum_steps = 1          # accumulate gradients over N steps per update (optax.MultiSteps)
   config.momentum = 0.9                # SGD momentum
   config.nesterov = True               # Nesterov momentum
   config.weight_decay = 1e-4           # decoupled, on kernels only (not BN, not biases)

@@ -91,8 +91,8 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.jitter >= 0, "jitter", f"must be >= 0, got {config.jitter}")
   _check(config.num_train_steps >= 1, "num_train_steps", f"must be >= 1, got {config.num_train_steps}")
   _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
-  _check(config.checkpoint_every_steps >= 0, "checkpoint_every_steps",
-         f"must be >= 0 (0 = only at the end), got {config.checkpoint_every_steps}")
+  _check(config.checkpoint_every_steps >= -1, "checkpoint_every_steps",
+         f"must be >= 0 (0 = only at the end) or -1 (never), got {config.checkpoint_every_steps}")
   _check(config.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {config.keep_checkpoints}")
   _check(config.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0, got {config.eval_every_steps}")
   _check(len(config.cnn_features) >= 1 and all(int(f) >= 1 for f in config.cnn_features), "cnn_features",
@@ -103,6 +103,12 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
          f"must be >= 0 (0 = gcd(num_particles, devices)), got {config.particle_axis_size}")
   _check(config.num_cpu_devices >= 0, "num_cpu_devices", f"must be >= 0 (0 = leave), got {config.num_cpu_devices}")
   _check(config.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {config.global_batch_size}")
+  _check(config.num_epochs >= 0, "num_epochs", f"must be >= 0 (0 = use num_train_steps), got {config.num_epochs}")
+  _check(config.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {config.warmup_epochs}")
+  _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
+  _check(config.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1 (1 = off), got {config.grad_accum_steps}")
+  _check(config.image_size >= 8, "image_size", f"must be >= 8, got {config.image_size}")
+  _check(config.shuffle_buffer >= 1, "shuffle_buffer", f"must be >= 1, got {config.shuffle_buffer}")
   _check(config.base_lr > 0, "base_lr", f"must be > 0, got {config.base_lr}")
   _check(config.reference_batch_size >= 1, "reference_batch_size", f"must be >= 1, got {config.reference_batch_size}")
   _check(config.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {config.warmup_steps}")

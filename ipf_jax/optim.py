@@ -14,11 +14,20 @@ def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int) -> fl
   return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
 
-def create_learning_rate_fn(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup from 0 to ``base_lr * scale``, then cosine decay to 0."""
-  peak = config.base_lr * lr_scale(config.lr_scaling, config.global_batch_size, config.reference_batch_size)
-  warmup = min(config.warmup_steps, config.num_train_steps - 1)
-  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, config.num_train_steps, end_value=0.0)
+def train_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> tuple[int, int]:
+  """``(total, warmup)`` optimizer steps: from ``num_epochs``/``warmup_epochs`` when set, else the step fields."""
+  total = round(config.num_epochs * steps_per_epoch) if config.num_epochs else config.num_train_steps
+  warmup = round(config.warmup_epochs * steps_per_epoch) if config.warmup_epochs else config.warmup_steps
+  return max(total, 1), min(warmup, max(total - 1, 0))
+
+
+def create_learning_rate_fn(config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to ``base_lr * scale``, then cosine decay to 0 (in optimizer updates)."""
+  peak = config.base_lr * lr_scale(config.lr_scaling, config.global_batch_size * config.grad_accum_steps,
+                                   config.reference_batch_size)
+  updates = max(total_steps // config.grad_accum_steps, 1)
+  warmup = min(warmup_steps // config.grad_accum_steps, updates - 1)
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, updates, end_value=0.0)
 
 
 def _decay_mask(params):
@@ -26,8 +35,9 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """SGD with (Nesterov) momentum, decoupled masked weight decay, optional clipping.
+def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -> optax.GradientTransformation:
+  """SGD with (Nesterov) momentum, decoupled masked weight decay, optional clipping,
+  and gradient accumulation over ``grad_accum_steps`` steps (``optax.MultiSteps``).
 
   One particle's optimizer: the train step vmaps it over the particle axis.
   """
@@ -36,6 +46,9 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
     parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
   if config.weight_decay:
     parts.append(optax.add_decayed_weights(config.weight_decay, mask=_decay_mask))
-  parts.append(optax.sgd(create_learning_rate_fn(config), momentum=config.momentum or None,
+  parts.append(optax.sgd(lr_fn, momentum=config.momentum or None,
                          nesterov=config.nesterov and bool(config.momentum)))
-  return optax.chain(*parts)
+  tx = optax.chain(*parts)
+  if config.grad_accum_steps > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=config.grad_accum_steps)
+  return tx

@@ -60,7 +60,7 @@ def _jitter(params, src, key, sigma, num_local):
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: ParticleSpec,
-                    mesh: jax.sharding.Mesh) -> Callable:
+                    mesh: jax.sharding.Mesh, label_smoothing: float = 0.0) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
 
   ``batch`` is ``{"image": [P, B, ...], "label": [P, B]}`` sharded
@@ -73,7 +73,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
   def loss_fn(params, batch_stats, image, label):
     logits, new_vars = model.apply({"params": params, "batch_stats": batch_stats}, image, train=True,
                                    mutable=["batch_stats"])
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, label).mean()
+    if label_smoothing:
+      targets = optax.smooth_labels(jax.nn.one_hot(label, logits.shape[-1]), label_smoothing)
+      loss = optax.softmax_cross_entropy(logits, targets).mean()
+    else:
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, label).mean()
     # The particle's loss over its whole data group; its gradient is the group mean.
     return lax.pmean(loss, DATA), new_vars["batch_stats"]
 

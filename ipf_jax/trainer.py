@@ -150,31 +150,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
   # ---- data, model, state -----------------------------------------------------------------
   dataset = create_dataset(config)
   model = create_model(config, dataset.num_classes, bn_axis_name=mesh_lib.DATA)
-  tx = optim.create_optimizer(config)
-  lr_fn = optim.create_learning_rate_fn(config)
+  steps_per_epoch = dataset.steps_per_epoch(config.global_batch_size)
+  total, warmup = optim.train_steps(config, steps_per_epoch)
+  lr_fn = optim.create_learning_rate_fn(config, total, warmup)
+  tx = optim.create_optimizer(config, lr_fn)
   abstract_state, init_state = state_lib.train_state_init(
       jax.random.PRNGKey(config.seed), model, tx, dataset.image_shape, spec.num_particles, mesh,
       shared_init=spec.shared_init)
-  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing)
-  restored = ckpt.restore_latest(abstract_state, config)
+  ckpt = None
+  restored = None
+  if config.checkpoint_every_steps >= 0:
+    ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing)
+    restored = ckpt.restore_latest(abstract_state, config)
   if restored is None:
     state = init_state()
   else:
     state, meta = restored
     log.info("resumed from %s at step %d (written on %d device(s))", ckpt.directory / str(meta["step"]),
              int(state.step), meta["num_devices"])
-  train_step = step_lib.make_train_step(model, tx, spec, mesh)
+  train_step = step_lib.make_train_step(model, tx, spec, mesh, label_smoothing=config.label_smoothing)
   eval_step = step_lib.make_eval_step(model, mesh)
-  steps_per_epoch = dataset.steps_per_epoch(config.global_batch_size)
 
   # ---- loop -------------------------------------------------------------------------------
-  total = config.num_train_steps
   start = int(state.step)
   t_start = t_last = time.perf_counter()
   last_step = start
+  batches = layout.prefetch(dataset.train_batches(start, config.global_batch_size, config.seed),
+                            lambda b: layout.put_train_batch(b, spec.num_particles, mesh, dataset.process_local))
   for step in range(start, total):
-    batch = layout.put_train_batch(dataset.train_batch(step, config.global_batch_size, config.seed),
-                                   spec.num_particles, mesh)
+    batch = next(batches)
     if step_hook is not None:
       state, batch = step_hook(step, state, batch)
     state, m = train_step(state, batch)
@@ -190,26 +194,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
       log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s  "
                "lr %.4g  %.1f steps/s  ETA %s", done, total, done / steps_per_epoch, loss, float(m["ess"]),
                spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
-               spec.num_particles, f"  skipped {skipped}" if skipped else "", float(lr_fn(done)), rate,
+               spec.num_particles, f"  skipped {skipped}" if skipped else "", float(lr_fn(done // config.grad_accum_steps)), rate,
                _fmt_time(eta))
       t_last, last_step = now, done
-    if done == total or (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0):
+    if ckpt and (done == total or (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0)):
       _check_finite(state, spec.num_particles, done)
       ckpt.save(done, state, config)
     if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
       results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
       log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done, 100 * results["ensemble"]["accuracy"],
                100 * results["fused"]["accuracy"])
+  batches.close()
   if total > start:
     elapsed = time.perf_counter() - t_start
     log.info("trained %d steps in %s (%.1f steps/s)", total - start, _fmt_time(elapsed),
              (total - start) / max(elapsed, 1e-9))
-  ckpt.close()
+  if ckpt:
+    ckpt.close()
 
   # ---- final evaluation -------------------------------------------------------------------
   results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
-  log.info("final evaluation at step %d on %d %s test examples:\n%s", int(state.step), len(dataset.test_labels),
-           dataset.name, format_eval_table(results, spec.shared_init))
+  log.info("final evaluation at step %d on %d %s test examples:\n%s", int(state.step), dataset.test_size,
+           config.dataset, format_eval_table(results, spec.shared_init))
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "eval_results.json"), "w") as f:
       json.dump(jax.tree.map(lambda x: np.asarray(x).tolist(), results), f, indent=1)

@@ -1,15 +1,24 @@
-"""Datasets by name: ``create_dataset(config)``."""
+"""Datasets by name: ``create_dataset(config)``.
+
+``digits`` is embedded (scikit-learn); the others are read with TFDS from
+``config.data_dir`` and must have been prepared there.
+"""
 from __future__ import annotations
 
 import ml_collections
 
-from ipf_jax.data.arrays import ArrayDataset
+TFDS_DATASETS = ("imagenet2012", "cifar10", "cifar100")
+DATASETS = ("digits",) + TFDS_DATASETS
 
-DATASETS = ("digits",)
 
-
-def create_dataset(config: ml_collections.ConfigDict) -> ArrayDataset:
+def create_dataset(config: ml_collections.ConfigDict):
+  """An object with ``num_classes``, ``image_shape``, ``test_size``, ``process_local``,
+  ``steps_per_epoch(G)``, ``train_batches(start_step, G, seed)`` and ``eval_batches(n)``."""
   if config.dataset == "digits":
     from ipf_jax.data import digits
     return digits.load()
+  if config.dataset in TFDS_DATASETS:
+    from ipf_jax.data import tfds_input  # imports TensorFlow: only for TFDS datasets
+    return tfds_input.TFDSDataset(config.dataset, config.data_dir or None, config.image_size,
+                                  shuffle_buffer=config.shuffle_buffer, small_images=config.dataset != "imagenet2012")
   raise ValueError(f"config.dataset: unknown dataset {config.dataset!r}; use one of {', '.join(DATASETS)}")

@@ -16,6 +16,12 @@ class ArrayDataset:
   test_labels: np.ndarray
   num_classes: int
 
+  process_local = False  # train batches are the whole global batch (each process places its shards)
+
+  @property
+  def test_size(self) -> int:
+    return len(self.test_labels)
+
   @property
   def image_shape(self) -> tuple[int, ...]:
     return tuple(self.train_images.shape[1:])
@@ -38,6 +44,13 @@ class ArrayDataset:
     order = np.random.default_rng([seed, epoch]).permutation(len(self.train_labels))
     idx = order[i * global_batch_size:(i + 1) * global_batch_size]
     return {"image": self.train_images[idx], "label": self.train_labels[idx]}
+
+  def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
+    """``train_batch`` for ``start_step, start_step + 1, ...``."""
+    step = start_step
+    while True:
+      yield self.train_batch(step, global_batch_size, seed)
+      step += 1
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """Test batches of exactly ``batch_size``; the last is zero-padded with ``mask = 0``."""

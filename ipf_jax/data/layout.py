@@ -1,8 +1,11 @@
 """Host batches to global device arrays in the per-particle layout (DESIGN.md §2)."""
 from __future__ import annotations
 
+import queue
+import threading
+from typing import Callable, Iterator
+
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 from ipf_jax.step import BATCH_SPEC, EVAL_BATCH_SPEC
@@ -14,16 +17,80 @@ def particle_layout(batch: dict, num_particles: int) -> dict:
 
 
 def put_sharded(batch: dict, specs: dict, mesh: jax.sharding.Mesh) -> dict:
-  # From the full host batch, each process materialises only its own shards (multi-host safe).
+  """Global host arrays to global device arrays; each process materialises only its own shards."""
   return {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, specs[k]), lambda idx, v=v: v[idx])
           for k, v in batch.items()}
 
 
-def put_train_batch(batch: dict, num_particles: int, mesh: jax.sharding.Mesh) -> dict:
-  """Global ``[P, B, ...]`` arrays sharded ``P("particle", "data")``."""
+def _local_block_shape(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, ...]:
+  """Shape of the part of a global array that this process's devices hold (assumed contiguous)."""
+  index = list(sharding.addressable_devices_indices_map(global_shape).values())
+  shard = sharding.shard_shape(global_shape)
+  return tuple(len({idx[d].start for idx in index}) * shard[d] for d in range(len(global_shape)))
+
+
+def put_local_train_batch(batch: dict, num_particles: int, mesh: jax.sharding.Mesh) -> dict:
+  """This process's examples (``G / process_count`` of them) into its block of the ``[P, B, ...]`` arrays."""
+  out = {}
+  for k, v in batch.items():
+    global_batch = v.shape[0] * jax.process_count()
+    global_shape = (num_particles, global_batch // num_particles) + v.shape[1:]
+    sharding = NamedSharding(mesh, BATCH_SPEC[k])
+    local = v.reshape(_local_block_shape(sharding, global_shape))
+    out[k] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+  return out
+
+
+def put_train_batch(batch: dict, num_particles: int, mesh: jax.sharding.Mesh, process_local: bool = False) -> dict:
+  """Global ``[P, B, ...]`` arrays sharded ``P("particle", "data")``, from the whole global
+  batch or (``process_local``) from this process's part of it."""
+  if process_local:
+    return put_local_train_batch(batch, num_particles, mesh)
   return put_sharded(particle_layout(batch, num_particles), BATCH_SPEC, mesh)
 
 
 def put_eval_batch(batch: dict, mesh: jax.sharding.Mesh) -> dict:
   """Global ``[N, ...]`` arrays sharded over ``"data"``, replicated over ``"particle"``."""
   return put_sharded(batch, EVAL_BATCH_SPEC, mesh)
+
+
+def prefetch(batches: Iterator[dict], put: Callable[[dict], dict], size: int = 2) -> Iterator[dict]:
+  """Reads and places the next ``size`` batches on a background thread while the step runs.
+
+  The thread stops when the consumer stops (the generator is closed) and
+  re-raises its errors in the consumer.
+  """
+  q: queue.Queue = queue.Queue(maxsize=size)
+  stop = threading.Event()
+  done = object()
+
+  def worker():
+    try:
+      for b in batches:
+        item = put(b)
+        while not stop.is_set():
+          try:
+            q.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        if stop.is_set():
+          return
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer
+      q.put(e)
+      return
+    q.put(done)
+
+  thread = threading.Thread(target=worker, name="ipf_jax-prefetch", daemon=True)
+  thread.start()
+  try:
+    while True:
+      item = q.get()
+      if item is done:
+        return
+      if isinstance(item, BaseException):
+        raise item
+      yield item
+  finally:
+    stop.set()
+    thread.join(timeout=10)

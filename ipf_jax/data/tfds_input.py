@@ -1,0 +1,172 @@
+"""TFDS + tf.data input: per-host split, epoch-seeded shuffle, augmentation, padded eval.
+
+The order of training examples is a function of ``(seed, step)``: epoch ``e``
+shuffles with seed ``(seed, e)``, a resumed run skips the records of the steps
+already done, and augmentation uses stateless ops seeded by the example's
+position in the stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional
+
+import jax
+import numpy as np
+
+# Per-channel statistics of the training sets, in [0, 255].
+MEAN_RGB = {"imagenet2012": (123.675, 116.28, 103.53), "cifar10": (125.3, 123.0, 113.9),
+            "cifar100": (129.3, 124.1, 112.4)}
+STDDEV_RGB = {"imagenet2012": (58.395, 57.12, 57.375), "cifar10": (63.0, 62.1, 66.7),
+              "cifar100": (68.2, 65.4, 70.4)}
+EVAL_SPLIT = {"imagenet2012": "validation", "cifar10": "test", "cifar100": "test"}
+CROP_PADDING = 32  # ImageNet eval: resize to image_size + 32, then center crop (224 -> 256 -> 224)
+
+
+from ipf_jax.data.errors import DataError  # noqa: E402,F401 - re-exported
+
+
+def _tf():
+  import tensorflow as tf
+  tf.config.set_visible_devices([], "GPU")  # tf.data only: leave the accelerators to JAX
+  return tf
+
+
+def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
+  where = data_dir or "~/tensorflow_datasets"
+  if name == "imagenet2012":
+    return (f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
+            f"{where}/downloads/manual/, then run `tfds build imagenet2012 --data_dir={where}` "
+            f"(and pass --config.data_dir={where}).")
+  return f"Prepare it on a machine with internet access: `tfds build {name} --data_dir={where}`."
+
+
+def load_builder(name: str, data_dir: Optional[str]):
+  """The prepared TFDS builder, or one ``DataError`` that says how to prepare it."""
+  import tensorflow_datasets as tfds
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except Exception as e:  # noqa: BLE001 - unknown name, unreadable directory
+    raise DataError(f"config.dataset: TFDS cannot open {name!r} in data_dir={data_dir or '(default)'}: {e}") from None
+  try:
+    builder.as_dataset(split="train")  # lazy; fails at once if the prepared files are missing
+  except AssertionError:
+    raise DataError(f"config.dataset: TFDS dataset {name!r} is not prepared in data_dir="
+                    f"{data_dir or builder.data_dir}. {_prepare_hint(name, data_dir)}") from None
+  return builder
+
+
+def _normalize(tf, image, name):
+  image = tf.cast(image, tf.float32)
+  return (image - tf.constant(MEAN_RGB[name])) / tf.constant(STDDEV_RGB[name])
+
+
+def _random_resized_crop(tf, image, size, seed):
+  """Inception-style crop (8%-100% area, 3/4-4/3 aspect), resized to ``size``."""
+  begin, crop, _ = tf.image.stateless_sample_distorted_bounding_box(
+      tf.shape(image), bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, [1, 1, 4]), seed=seed,
+      min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
+      use_image_if_no_bounding_boxes=True)
+  image = tf.slice(image, begin, crop)
+  return tf.image.resize(image, (size, size), method="bicubic")
+
+
+def _center_crop(tf, image, size):
+  """Resize the shorter side to ``size * 256/224`` (ImageNet) and take the central ``size`` square."""
+  shape = tf.shape(image)
+  h, w = tf.cast(shape[0], tf.float32), tf.cast(shape[1], tf.float32)
+  scale = tf.cast(size + CROP_PADDING, tf.float32) / tf.minimum(h, w)
+  image = tf.image.resize(image, (tf.cast(tf.round(h * scale), tf.int32), tf.cast(tf.round(w * scale), tf.int32)),
+                          method="bicubic")
+  return tf.image.resize_with_crop_or_pad(image, size, size)
+
+
+@dataclasses.dataclass
+class TFDSDataset:
+  """A TFDS classification dataset with the interface the trainer uses."""
+  name: str
+  data_dir: Optional[str]
+  image_size: int
+  shuffle_buffer: int = 16_384
+  small_images: bool = False  # CIFAR: resize to image_size (no-op at 32), pad-4 random crop + flip
+
+  process_local = True  # train batches hold only this process's examples
+
+  def __post_init__(self):
+    self.builder = load_builder(self.name, self.data_dir)
+    self.num_classes = self.builder.info.features["label"].num_classes
+    self.num_train = self._num_examples("train")
+    self.test_size = self._num_examples(EVAL_SPLIT[self.name])
+    self.image_shape = (self.image_size, self.image_size, 3)
+
+  def _num_examples(self, split: str) -> int:
+    try:
+      return self.builder.info.splits[split].num_examples
+    except KeyError:  # builders without split metadata (e.g. tfds.testing.mock_data)
+      return int(self.builder.as_dataset(split=split).cardinality())
+
+  def steps_per_epoch(self, global_batch_size: int) -> int:
+    return self.num_train // global_batch_size
+
+  def _train_dataset(self, epoch: int, skip: int, local_batch: int, seed: int):
+    tf = _tf()
+    import tensorflow_datasets as tfds
+    split = tfds.split_for_jax_process("train", drop_remainder=True)
+    options = tf.data.Options()
+    options.deterministic = True
+    options.threading.private_threadpool_size = 0
+    read = tfds.ReadConfig(shuffle_seed=seed * 100_003 + epoch, options=options)
+    ds = self.builder.as_dataset(split=split, shuffle_files=True, read_config=read)
+    ds = ds.shuffle(self.shuffle_buffer, seed=seed * 100_003 + epoch, reshuffle_each_iteration=False)
+    ds = ds.enumerate().skip(skip)
+    name, size, small = self.name, self.image_size, self.small_images
+
+    def augment(index, example):
+      key = tf.stack([tf.cast(seed * 100_003 + epoch, tf.int64), index])
+      crop_seed, flip_seed = key, key + tf.constant([0, 1 << 40], tf.int64)
+      image = example["image"]
+      if small:
+        image = tf.image.resize(image, (size, size))  # identity at the native 32x32
+        image = tf.image.resize_with_crop_or_pad(image, size + 8, size + 8)
+        image = tf.image.stateless_random_crop(image, (size, size, 3), seed=crop_seed)
+      else:
+        image = _random_resized_crop(tf, image, size, crop_seed)
+      image = tf.image.stateless_random_flip_left_right(image, seed=flip_seed)
+      return {"image": _normalize(tf, image, name), "label": tf.cast(example["label"], tf.int32)}
+
+    ds = ds.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.batch(local_batch, drop_remainder=True).prefetch(2)
+
+  def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
+    """This process's ``global_batch_size / process_count`` examples of each step from ``start_step`` on."""
+    local_batch = global_batch_size // jax.process_count()
+    per_epoch = self.steps_per_epoch(global_batch_size)
+    if per_epoch == 0:
+      raise DataError(f"config.global_batch_size: {global_batch_size} exceeds the {self.num_train} training "
+                      f"examples of {self.name}")
+    step = start_step
+    while True:
+      epoch, first = divmod(step, per_epoch)
+      for batch in self._train_dataset(epoch, first * local_batch, local_batch, seed).take(per_epoch - first):
+        yield {k: v.numpy() for k, v in batch.items()}
+        step += 1
+
+  def eval_batches(self, batch_size: int) -> Iterator[dict]:
+    """The whole eval split (every process reads all of it), padded to ``batch_size`` with a mask."""
+    tf = _tf()
+    name, size, small = self.name, self.image_size, self.small_images
+
+    def preprocess(example):
+      image = example["image"]
+      image = tf.image.resize(image, (size, size)) if small else _center_crop(tf, image, size)
+      return {"image": _normalize(tf, image, name), "label": tf.cast(example["label"], tf.int32),
+              "mask": tf.constant(1.0, tf.float32)}
+
+    ds = self.builder.as_dataset(split=EVAL_SPLIT[self.name], shuffle_files=False)
+    ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch_size).prefetch(2)
+    for batch in ds:
+      batch = {k: v.numpy() for k, v in batch.items()}
+      pad = batch_size - len(batch["label"])
+      if pad:
+        batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+      yield batch
