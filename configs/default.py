@@ -52,6 +52,8 @@ def get_config():
   # --- particles (DESIGN.md §3) ----------------------------------------------
   config.mode = "ipf"                  # ddp | ensemble | ipf (see README, "Modes")
   config.num_particles = 8             # P; 1 = plain DDP in any mode
+  config.shared_params = ""            # regex of parameter paths stored once and shared by all particles, e.g.
+                                       # "^(conv_init|bn_init|stage1_)" (stem + first stage); "" = none
   config.init = "auto"                 # auto | shared | independent: one init for all particles (fusion needs it)
                                        # or one per particle (deep ensemble); auto = independent in ensemble mode
   config.temperature = 1.0             # tau >= 0: log w <- rho log w - tau loss

@@ -24,7 +24,8 @@ log = logging.getLogger("ipf_jax")
 # Fields that fix the shapes or meaning of the saved state: a checkpoint only
 # restores into a run that agrees on them. Device counts and mesh shape may
 # differ (the particle axis is resharded on restore).
-STRUCTURAL_FIELDS = ("dataset", "model", "cnn_features", "num_particles", "grad_accum_steps")
+STRUCTURAL_FIELDS = ("dataset", "model", "cnn_features", "num_particles", "grad_accum_steps",
+                     "shared_params")
 # Fields whose zero/non-zero setting changes the optimizer state's structure.
 OPTIMIZER_SWITCHES = ("momentum", "weight_decay", "grad_clip_norm")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import ml_collections
 
@@ -77,6 +78,10 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check_choice(config, "lr_scaling", LR_SCALING)
   _check_choice(config, "dtype", DTYPES)
   _check_choice(config, "init", INITS)
+  try:
+    re.compile(config.shared_params)
+  except re.error as e:
+    raise ConfigError("shared_params", f"is not a valid regular expression ({e}); e.g. '^(conv_init|bn_init)'") from None
   p = config.num_particles
   _check(isinstance(p, int) and p >= 1, "num_particles", f"must be an integer >= 1, got {p!r}")
   if config.mode == "ddp":

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ipf_jax import sharing
 from ipf_jax.mesh import PARTICLE
 
 
@@ -19,7 +20,7 @@ class ParticleState:
   """All particles' state. Per-particle leaves have a leading ``[P]`` axis.
 
   Attributes:
-    params: ``[P, ...]`` model parameters.
+    params: ``[P, ...]`` per-particle model parameters (all but the shared ones).
     batch_stats: ``[P, ...]`` BatchNorm running statistics.
     opt_state: ``[P, ...]`` optimizer state; moves with its particle.
     log_weights: ``[P]`` normalised log importance weights (logsumexp = 0).
@@ -27,6 +28,8 @@ class ParticleState:
     rng: replicated PRNG key; step ``k`` uses ``fold_in(rng, k)``.
     num_resamples: scalar int32, resampling events so far.
     num_skipped: scalar int32, steps skipped because no particle was finite.
+    shared_params: parameters shared by all particles, stored once (``{}`` without sharing).
+    shared_opt_state: their optimizer state.
   """
   params: Any
   batch_stats: Any
@@ -36,13 +39,16 @@ class ParticleState:
   rng: jax.Array
   num_resamples: jax.Array
   num_skipped: jax.Array
+  shared_params: Any = None
+  shared_opt_state: Any = None
 
 
 def state_specs() -> ParticleState:
   """``PartitionSpec`` prefix tree: per-particle leaves over ``"particle"``, the rest replicated."""
   per = P(PARTICLE)
   return ParticleState(params=per, batch_stats=per, opt_state=per, log_weights=per,
-                       step=P(), rng=P(), num_resamples=P(), num_skipped=P())
+                       step=P(), rng=P(), num_resamples=P(), num_skipped=P(), shared_params=P(),
+                       shared_opt_state=P())
 
 
 def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> ParticleState:
@@ -54,7 +60,7 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
 
 def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
                      input_shape: tuple[int, ...], num_particles: int,
-                     mesh: jax.sharding.Mesh, shared_init: bool = False):
+                     mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = ""):
   """The sharded abstract state (for restoring) and a jitted function that initialises it.
 
   Args:
@@ -64,6 +70,8 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
     shared_init: start all particles from one point (like DDP replicas), so
       that their weighted average (the fused model) is meaningful; otherwise
       independent inits as in a deep ensemble.
+    shared_pattern: regex of parameter paths shared by all particles
+      (``sharing.split``); they start from particle 0's init.
   Returns:
     ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
     ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
@@ -72,14 +80,15 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
 
   def init_one(key):
     variables = model.init(key, jnp.zeros((1,) + tuple(input_shape), jnp.float32), train=False)
-    params = variables["params"]
-    batch_stats = variables.get("batch_stats", {})
-    return params, batch_stats, tx.init(params)
+    params, shared = sharing.split(variables["params"], shared_pattern)
+    return params, shared, variables.get("batch_stats", {}), tx.init(params)
 
   def init_all():
     keys = jax.vmap(lambda i: jax.random.fold_in(init_rng, i))(jnp.arange(num_particles) * (not shared_init))
-    params, batch_stats, opt_state = jax.vmap(init_one)(keys)
+    params, shared, batch_stats, opt_state = jax.vmap(init_one)(keys)
+    shared = jax.tree.map(lambda x: x[0], shared)
     return ParticleState(params=params, batch_stats=batch_stats, opt_state=opt_state,
+                         shared_params=shared, shared_opt_state=tx.init(shared),
                          log_weights=jnp.full((num_particles,), -jnp.log(num_particles), jnp.float32),
                          step=jnp.zeros((), jnp.int32), rng=run_rng,
                          num_resamples=jnp.zeros((), jnp.int32), num_skipped=jnp.zeros((), jnp.int32))

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax import correction
 from ipf_jax import filter as pf
 from ipf_jax import metrics as metrics_lib
+from ipf_jax import sharing
 from ipf_jax.configuration import ParticleSpec
 from ipf_jax.mesh import DATA, PARTICLE
 from ipf_jax.state import ParticleState, state_specs
@@ -70,9 +71,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
   num_particles = spec.num_particles
   dp = mesh.shape[PARTICLE]
 
-  def loss_fn(params, batch_stats, image, label):
-    logits, new_vars = model.apply({"params": params, "batch_stats": batch_stats}, image, train=True,
-                                   mutable=["batch_stats"])
+  def loss_fn(params, shared, batch_stats, image, label):
+    logits, new_vars = model.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, image,
+                                   train=True, mutable=["batch_stats"])
     if label_smoothing:
       targets = optax.smooth_labels(jax.nn.one_hot(label, logits.shape[-1]), label_smoothing)
       loss = optax.softmax_cross_entropy(logits, targets).mean()
@@ -94,11 +95,15 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
 
   def local_step(state: ParticleState, batch):
     step_key = jax.random.fold_in(state.rng, state.step)
-    # 1. Local gradients, one particle at a time (vmapped), averaged over "data".
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, batch_stats), grads = jax.vmap(grad_fn)(state.params, state.batch_stats, batch["image"], batch["label"])
-    alive = jnp.isfinite(loss) & _all_finite(grads)
-    grads = jax.tree.map(lambda g: jnp.where(_per_particle(alive, g), g, 0), grads)  # no NaN leaves a culled particle
+    # 1. Local gradients, one particle at a time (vmapped), averaged over "data". Shared
+    #    parameters are marked device-varying so that each particle gets its own gradient.
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    shared = jax.tree.map(lambda x: lax.pcast(x, (PARTICLE,), to="varying"), state.shared_params)
+    (loss, batch_stats), (grads, shared_grads) = jax.vmap(grad_fn, in_axes=(0, None, 0, 0, 0))(
+        state.params, shared, state.batch_stats, batch["image"], batch["label"])
+    alive = jnp.isfinite(loss) & _all_finite((grads, shared_grads))
+    # No NaN leaves a culled particle.
+    grads, shared_grads = jax.tree.map(lambda g: jnp.where(_per_particle(alive, g), g, 0), (grads, shared_grads))
     # 2. Importance weights, normalised over all particles.
     log_w = pf.normalize(pf.update_log_weights(state.log_weights, loss, alive, spec.temperature, spec.forgetting),
                          PARTICLE)
@@ -107,6 +112,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     # 4. Per-particle optimizer update.
     updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
     particle = (optax.apply_updates(state.params, updates), batch_stats, opt_state)
+    # Shared parameters: one update with the weighted consensus gradient (lambda = 1 for them).
+    shared_updates, shared_opt_state = tx.update(correction.weighted_sum(shared_grads, jnp.exp(log_w), PARTICLE),
+                                                 state.shared_opt_state, state.shared_params)
+    shared_params = optax.apply_updates(state.shared_params, shared_updates)
     # 5. Resampling, decided inside the step: low ESS, a culled particle to replace, or the schedule.
     ess = pf.ess(log_w, PARTICLE)
     num_alive = lax.psum(alive.sum(dtype=jnp.int32), PARTICLE)
@@ -120,10 +129,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     ok = num_alive > 0  # nothing finite: skip the update (DDP's skipped step)
     params, batch_stats, opt_state = particle
     updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, log_weights=new_log_w,
-                            num_resamples=state.num_resamples + resampled.astype(jnp.int32))
+                            num_resamples=state.num_resamples + resampled.astype(jnp.int32),
+                            shared_params=shared_params, shared_opt_state=shared_opt_state)
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
     new_state = new_state.replace(step=state.step + 1, num_skipped=state.num_skipped + (~ok).astype(jnp.int32))
-    per_particle = {"loss": loss, "alive": alive.astype(jnp.int32), "grad_norm": jax.vmap(optax.tree.norm)(grads),
+    per_particle = {"loss": loss, "alive": alive.astype(jnp.int32),
+                    "grad_norm": jax.vmap(optax.tree.norm)((grads, shared_grads)),
                     "log_weights": log_w}
     metrics = {**jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
                "ess": ess, "resampled": resampled & ok, "ancestors": src, "num_alive": num_alive}
@@ -146,12 +157,14 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
   with ``sum_i w_i beta_i`` BatchNorm statistics).
   """
 
-  def predict(params, batch_stats, image):
-    return jax.nn.softmax(model.apply({"params": params, "batch_stats": batch_stats}, image, train=False))
+  def predict(params, shared, batch_stats, image):
+    variables = {"params": sharing.merge(params, shared), "batch_stats": batch_stats}
+    return jax.nn.softmax(model.apply(variables, image, train=False))
 
   def local_eval(state: ParticleState, batch):
     image, label, mask = batch["image"], batch["label"], batch["mask"]
-    probs = jax.vmap(predict, in_axes=(0, 0, None))(state.params, state.batch_stats, image)  # [L, b, C]
+    shared = state.shared_params
+    probs = jax.vmap(predict, in_axes=(0, None, 0, None))(state.params, shared, state.batch_stats, image)  # [L, b, C]
     w = jnp.exp(state.log_weights)
     alive = (w > 0).astype(jnp.float32)
     per_particle = jax.vmap(metrics_lib.classification_sums, in_axes=(0, None, None))(probs, label, mask)
@@ -162,7 +175,7 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
     sums = {"particles": jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
             "ensemble": metrics_lib.classification_sums(ensemble, label, mask),
             "ensemble_uniform": metrics_lib.classification_sums(uniform, label, mask),
-            "fused": metrics_lib.classification_sums(predict(fused_params, fused_stats, image), label, mask)}
+            "fused": metrics_lib.classification_sums(predict(fused_params, shared, fused_stats, image), label, mask)}
     return {**lax.psum(sums, DATA), "weights": pf.gather_all(w, PARTICLE)}
 
   sharded = jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC), out_specs=P())

@@ -156,7 +156,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
   tx = optim.create_optimizer(config, lr_fn)
   abstract_state, init_state = state_lib.train_state_init(
       jax.random.PRNGKey(config.seed), model, tx, dataset.image_shape, spec.num_particles, mesh,
-      shared_init=spec.shared_init)
+      shared_init=spec.shared_init, shared_pattern=config.shared_params)
   ckpt = None
   restored = None
   if config.checkpoint_every_steps >= 0:

@@ -64,7 +64,8 @@ class Setup:
     total, warmup = optim.train_steps(config, steps_per_epoch=1)
     self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
     self.state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), self.model, self.tx, (8, 8, 1),
-                                              config.num_particles, self.mesh, self.spec.shared_init)
+                                              config.num_particles, self.mesh, self.spec.shared_init,
+                                              config.shared_params)
     self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh)
 
   def put(self, images, labels):

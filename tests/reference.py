@@ -8,6 +8,8 @@ fold_in(key, 0); the jitter of slot n, leaf j from fold_in(fold_in(fold_in(key, 
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +56,22 @@ def survivor_slots(ancestors):
   return src
 
 
+def _split(tree, pattern):
+  """(rest, shared) by regex on '/'-joined paths, as nested dicts."""
+  from flax import traverse_util
+  flat = traverse_util.flatten_dict(tree, sep="/")
+  pick = lambda keep: traverse_util.unflatten_dict(
+      {k: v for k, v in flat.items() if bool(pattern and re.search(pattern, k)) == keep}, sep="/")
+  return pick(False), pick(True)
+
+
+def _merge(a, b):
+  from flax import traverse_util
+  flat = traverse_util.flatten_dict(a, sep="/")
+  flat.update(traverse_util.flatten_dict(b, sep="/"))
+  return traverse_util.unflatten_dict(flat, sep="/")
+
+
 def _finite(tree):
   return all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(tree))
 
@@ -61,7 +79,8 @@ def _finite(tree):
 class Reference:
   """Holds per-particle lists and runs steps one particle at a time."""
 
-  def __init__(self, model, tx, spec, params, batch_stats, opt_state, log_weights, rng):
+  def __init__(self, model, tx, spec, params, batch_stats, opt_state, log_weights, rng, shared=None,
+               shared_opt_state=None, shared_pattern=""):
     self.spec = spec
     self.tx = tx
     self.rng = rng
@@ -73,6 +92,9 @@ class Reference:
     self.log_w = np.asarray(log_weights, np.float64)
     self.step = 0
     self.num_resamples = 0
+    self.pattern = shared_pattern
+    self.shared = jax.tree.map(np.asarray, shared or {})
+    self.shared_opt_state = shared_opt_state if shared_opt_state is not None else tx.init(self.shared)
 
     def loss_fn(params, batch_stats, image, label):
       logits, new = model.apply({"params": params, "batch_stats": batch_stats}, image, train=True,
@@ -88,12 +110,17 @@ class Reference:
     p = s.num_particles
     key = jax.random.fold_in(self.rng, self.step)
     losses, grads, stats, alive = [], [], [], []
+    shared_grads = []
     for i in range(p):
-      (loss, bs), g = self._grad(self.params[i], self.batch_stats[i], images[i], labels[i])
+      (loss, bs), g = self._grad(_merge(self.params[i], self.shared), self.batch_stats[i], images[i], labels[i])
+      g, g_shared = _split(g, self.pattern)
+      shared_grads.append(g_shared)
       ok = bool(np.isfinite(loss)) and _finite(g)
       losses.append(float(loss))
       alive.append(ok)
       grads.append(g if ok else jax.tree.map(jnp.zeros_like, g))
+      if not ok:
+        shared_grads[-1] = jax.tree.map(jnp.zeros_like, g_shared)
       stats.append(bs)
     log_w = np.array([s.forgetting * self.log_w[i] - s.temperature * losses[i] if alive[i] else -np.inf
                       for i in range(p)])
@@ -115,6 +142,10 @@ class Reference:
       updates, self.opt_state[i] = self._update(d, self.opt_state[i], self.params[i])
       self.params[i] = optax.apply_updates(self.params[i], updates)
       self.batch_stats[i] = stats[i]
+    if self.pattern:  # one update of the shared parameters with the weighted consensus gradient
+      consensus_shared = jax.tree.map(lambda *gs: sum(w[j] * gs[j] for j in range(p) if w[j] > 0), *shared_grads)
+      updates, self.shared_opt_state = self._update(consensus_shared, self.shared_opt_state, self.shared)
+      self.shared = optax.apply_updates(self.shared, updates)
     ess = 1.0 / np.sum(w ** 2)
     record["ess"] = ess
     record["log_weights"] = log_w

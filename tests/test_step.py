@@ -20,7 +20,8 @@ def run_both(config, dp, dd, num_steps, poison=None):
     leaf[poison] = np.nan
     s.state = jax.device_put(init, jax.tree.map(lambda x: x.sharding, s.state))
   ref = Reference(s.plain_model, s.tx, s.spec, init.params, init.batch_stats, init.opt_state, init.log_weights,
-                  init.rng)
+                  init.rng, shared=init.shared_params, shared_opt_state=init.shared_opt_state,
+                  shared_pattern=config.shared_params)
   spmd_records, ref_records = [], []
   for images, labels in helpers.particle_batches(config.num_particles, num_steps):
     s.state, m = s.train_step(s.state, s.put(images, labels))
@@ -42,6 +43,7 @@ def assert_same_run(s, ref, spmd_records, ref_records):
   helpers.assert_close(final.params, params)
   helpers.assert_close(final.batch_stats, batch_stats)
   helpers.assert_close(final.opt_state, opt_state)
+  helpers.assert_close(final.shared_params, ref.shared)
   np.testing.assert_allclose(final.log_weights, ref.log_w, rtol=1e-4, atol=1e-5)
   assert int(final.num_resamples) == ref.num_resamples
   assert int(final.step) == len(ref_records)
@@ -64,6 +66,20 @@ def test_scheduled_resampling_matches_reference(dp, dd, p):
                                resample_every=2)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert [r["resampled"] for r in refr] == [False, True, False, True]
+  assert_same_run(s, ref, spmd, refr)
+
+
+@pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (8, 1, 16), (1, 8, 2)])
+def test_shared_parameters_match_reference(dp, dd, p):
+  """The first conv and its BatchNorm shared: stored once, consensus-updated, never resampled."""
+  config = helpers.tiny_config(num_particles=p, temperature=4.0, correction=0.3, ess_threshold=0.9,
+                               shared_params="^(Conv_0|BatchNorm_0)/")
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  assert sum(r["resampled"] for r in refr) >= 1
+  final = s.host_state()
+  assert set(final.shared_params) == {"Conv_0", "BatchNorm_0"} and "Conv_0" not in final.params
+  assert final.shared_params["Conv_0"]["kernel"].shape == (3, 3, 1, 4), "stored once, no particle axis"
+  assert final.params["Conv_1"]["kernel"].shape == (p, 3, 3, 4, 8)
   assert_same_run(s, ref, spmd, refr)
 
 
