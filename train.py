@@ -23,6 +23,7 @@ flags.DEFINE_string("workdir", "runs/digits", "Directory for checkpoints, logs, 
 flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (jax.distributed). Without "
                     "it, SLURM, Open MPI and Cloud TPU pods are detected from the environment.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (with --coordinator_address).")
+flags.DEFINE_bool("eval_only", False, "Evaluate the newest checkpoint in --workdir and print the table; no training.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (with --coordinator_address).")
 config_flags.DEFINE_config_file("config", "configs/digits.py", "Training configuration file.",
                                 lock_config=True)
@@ -53,7 +54,10 @@ def main(argv):
   trainer.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
   init_distributed()
   try:
-    trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    if FLAGS.eval_only:
+      trainer.evaluate_checkpoint(FLAGS.config, FLAGS.workdir)
+    else:
+      trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (configuration.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, trainer.WorkdirError,
           DataError) as e:
     raise SystemExit(f"error: {e}") from None

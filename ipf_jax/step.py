@@ -180,3 +180,23 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
 
   sharded = jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC), out_specs=P())
   return jax.jit(sharded)
+
+
+def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
+  """``fuse(state) -> (variables, distances)``, both replicated.
+
+  ``variables`` = ``{"params": sum_i w_i theta_i (with the shared ones),
+  "batch_stats": sum_i w_i beta_i}``, ready for a plain ``model.apply``;
+  ``distances`` ``[P]`` = ``||theta_i - theta_bar||`` (particle diversity).
+  """
+
+  def local(state: ParticleState):
+    w = jnp.exp(state.log_weights)
+    fused = correction.fuse(state.params, w, PARTICLE)
+    sq = sum(jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
+             for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused)))
+    variables = {"params": sharing.merge(fused, state.shared_params),
+                 "batch_stats": correction.fuse(state.batch_stats, w, PARTICLE)}
+    return variables, pf.gather_all(jnp.sqrt(sq), PARTICLE)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(),), out_specs=(P(), P())))

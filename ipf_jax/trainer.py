@@ -13,11 +13,13 @@ import numpy as np
 
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
+from ipf_jax import export
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
 from ipf_jax import optim
 from ipf_jax import state as state_lib
 from ipf_jax import step as step_lib
+from ipf_jax import summary
 from ipf_jax.data import create_dataset
 from ipf_jax.data import layout
 from ipf_jax.models import create_model
@@ -124,6 +126,79 @@ def _check_finite(state, num_particles: int, step: int) -> int:
   return skipped
 
 
+class _Run:
+  """Everything a run needs, built once from the config (shared by training and ``--eval_only``)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True):
+    setup_devices(config)
+    dp, dd = configuration.validate(config, jax.device_count())
+    prepare_workdir(workdir)
+    setup_logging(workdir)
+    if jax.process_index() == 0 and for_training:
+      with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    devices = jax.devices()[:config.num_devices or jax.device_count()]
+    self.config, self.workdir = config, workdir
+    self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
+    self.spec = spec = configuration.particle_spec(config)
+    log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
+             "batch %d = %d particles x %d", config.mode, spec.num_particles, dp, dd, len(devices),
+             devices[0].platform, jax.process_count(), config.global_batch_size, spec.num_particles,
+             config.global_batch_size // spec.num_particles)
+    self.dataset = create_dataset(config)
+    self.model = create_model(config, self.dataset.num_classes, bn_axis_name=mesh_lib.DATA)
+    self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)
+    self.total, warmup = optim.train_steps(config, self.steps_per_epoch)
+    self.lr_fn = optim.create_learning_rate_fn(config, self.total, warmup)
+    self.tx = optim.create_optimizer(config, self.lr_fn)
+    self.abstract_state, self.init_state = state_lib.train_state_init(
+        jax.random.PRNGKey(config.seed), self.model, self.tx, self.dataset.image_shape, spec.num_particles,
+        self.mesh, shared_init=spec.shared_init, shared_pattern=config.shared_params)
+    self.eval_step = step_lib.make_eval_step(self.model, self.mesh)
+    self.fuse = step_lib.make_fuse_fn(self.mesh)
+
+  def restore(self, ckpt):
+    """The newest readable checkpoint's state, or ``None``."""
+    restored = ckpt.restore_latest(self.abstract_state, self.config)
+    if restored is None:
+      return None
+    state, meta = restored
+    log.info("resumed from %s at step %d (written on %d device(s))", ckpt.directory / str(meta["step"]),
+             int(state.step), meta["num_devices"])
+    return state
+
+  def evaluate(self, state) -> dict:
+    return evaluate(self.eval_step, state, self.dataset, self.config.eval_batch_size, self.mesh)
+
+  def finish(self, state, writer=None) -> dict:
+    """Final evaluation table, ``eval_results.json`` and the exported fused model."""
+    results = self.evaluate(state)
+    step = int(state.step)
+    log.info("final evaluation at step %d on %d %s test examples:\n%s", step, self.dataset.test_size,
+             self.config.dataset, format_eval_table(results, self.spec.shared_init))
+    variables, _ = self.fuse(state)
+    if writer is not None:
+      writer.eval_results(step, results)
+    if jax.process_index() == 0:
+      with open(os.path.join(self.workdir, "eval_results.json"), "w") as f:
+        json.dump({"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, f, indent=1)
+      export.export_fused(variables, self.config, self.dataset.num_classes,
+                          os.path.join(self.workdir, "fused_model"))
+    return results
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Evaluates the newest checkpoint in ``workdir`` and prints the table (``train.py --eval_only``)."""
+  run = _Run(config, workdir, for_training=False)
+  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
+  state = run.restore(ckpt)
+  ckpt.close()
+  if state is None:
+    raise checkpoint_lib.CheckpointError(f"--eval_only: no checkpoint in {ckpt.directory}; train first with the "
+                                         f"same --workdir")
+  return run.finish(state)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hook=None) -> dict:
   """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
 
@@ -131,77 +206,63 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
   there is one. ``step_hook(step, state, batch) -> (state, batch)``, if
   given, runs before every step (fault-injection tests).
   """
-  # ---- setup ------------------------------------------------------------------------------
-  setup_devices(config)
-  dp, dd = configuration.validate(config, jax.device_count())
-  prepare_workdir(workdir)
-  setup_logging(workdir)
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json(indent=2))
-  devices = jax.devices()[:config.num_devices or jax.device_count()]
-  mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
-  spec = configuration.particle_spec(config)
-  log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
-           "batch %d = %d particles x %d", config.mode, spec.num_particles, dp, dd, len(devices),
-           devices[0].platform, jax.process_count(), config.global_batch_size, spec.num_particles,
-           config.global_batch_size // spec.num_particles)
-
-  # ---- data, model, state -----------------------------------------------------------------
-  dataset = create_dataset(config)
-  model = create_model(config, dataset.num_classes, bn_axis_name=mesh_lib.DATA)
-  steps_per_epoch = dataset.steps_per_epoch(config.global_batch_size)
-  total, warmup = optim.train_steps(config, steps_per_epoch)
-  lr_fn = optim.create_learning_rate_fn(config, total, warmup)
-  tx = optim.create_optimizer(config, lr_fn)
-  abstract_state, init_state = state_lib.train_state_init(
-      jax.random.PRNGKey(config.seed), model, tx, dataset.image_shape, spec.num_particles, mesh,
-      shared_init=spec.shared_init, shared_pattern=config.shared_params)
+  # ---- setup: mesh, data, model, state ------------------------------------------------------
+  run = _Run(config, workdir)
+  spec, mesh, total = run.spec, run.mesh, run.total
   ckpt = None
-  restored = None
+  state = None
   if config.checkpoint_every_steps >= 0:
     ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing)
-    restored = ckpt.restore_latest(abstract_state, config)
-  if restored is None:
-    state = init_state()
-  else:
-    state, meta = restored
-    log.info("resumed from %s at step %d (written on %d device(s))", ckpt.directory / str(meta["step"]),
-             int(state.step), meta["num_devices"])
-  train_step = step_lib.make_train_step(model, tx, spec, mesh, label_smoothing=config.label_smoothing)
-  eval_step = step_lib.make_eval_step(model, mesh)
+    state = run.restore(ckpt)
+  if state is None:
+    state = run.init_state()
+  train_step = step_lib.make_train_step(run.model, run.tx, spec, mesh, label_smoothing=config.label_smoothing)
+  writer = summary.SummaryWriter(workdir)
 
-  # ---- loop -------------------------------------------------------------------------------
+  # ---- loop ---------------------------------------------------------------------------------
   start = int(state.step)
   t_start = t_last = time.perf_counter()
   last_step = start
-  batches = layout.prefetch(dataset.train_batches(start, config.global_batch_size, config.seed),
-                            lambda b: layout.put_train_batch(b, spec.num_particles, mesh, dataset.process_local))
+  pending = []  # per-step metrics still on the device, fetched at the next log step
+  batches = layout.prefetch(run.dataset.train_batches(start, config.global_batch_size, config.seed),
+                            lambda b: layout.put_train_batch(b, spec.num_particles, mesh, run.dataset.process_local))
   for step in range(start, total):
     batch = next(batches)
     if step_hook is not None:
       state, batch = step_hook(step, state, batch)
     state, m = train_step(state, batch)
+    pending.append(m)
     done = step + 1
     if done % config.log_every_steps == 0 or done == total:
-      m = jax.device_get(m)
+      fetched = jax.device_get(pending)
+      pending = []
       skipped = _check_finite(state, spec.num_particles, done)
       now = time.perf_counter()
       rate = (done - last_step) / (now - t_last)
+      for k, mk in enumerate(fetched):
+        writer.train_step(done - len(fetched) + k + 1, mk, float(run.lr_fn((done - len(fetched) + k + 1) // config.grad_accum_steps)))
+      m = fetched[-1]
+      _, distances = run.fuse(state)
+      distances = np.asarray(distances)
+      writer.scalars(done, {"train/images_per_s": rate * config.global_batch_size,
+                            "train/resamples": int(state.num_resamples),
+                            "train/diversity": float(np.nanmean(distances)),
+                            **{f"particle/diversity/{i}": d for i, d in enumerate(distances)}})
       w = np.exp(m["log_weights"])
       loss = float(np.sum(np.where(m["alive"] > 0, w * np.nan_to_num(m["loss"]), 0.0)))
       eta = (total - done) / rate if done > start + 1 else float("nan")
       log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s  "
-               "lr %.4g  %.1f steps/s  ETA %s", done, total, done / steps_per_epoch, loss, float(m["ess"]),
-               spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
-               spec.num_particles, f"  skipped {skipped}" if skipped else "", float(lr_fn(done // config.grad_accum_steps)), rate,
-               _fmt_time(eta))
+               "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, done / run.steps_per_epoch, loss,
+               float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
+               spec.num_particles, f"  skipped {skipped}" if skipped else "", float(np.nanmean(distances)),
+               float(run.lr_fn(done // config.grad_accum_steps)), rate, _fmt_time(eta))
       t_last, last_step = now, done
     if ckpt and (done == total or (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0)):
       _check_finite(state, spec.num_particles, done)
       ckpt.save(done, state, config)
     if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
-      results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
+      results = run.evaluate(state)
+      writer.eval_results(done, results)
       log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done, 100 * results["ensemble"]["accuracy"],
                100 * results["fused"]["accuracy"])
   batches.close()
@@ -212,11 +273,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
   if ckpt:
     ckpt.close()
 
-  # ---- final evaluation -------------------------------------------------------------------
-  results = evaluate(eval_step, state, dataset, config.eval_batch_size, mesh)
-  log.info("final evaluation at step %d on %d %s test examples:\n%s", int(state.step), dataset.test_size,
-           config.dataset, format_eval_table(results, spec.shared_init))
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "eval_results.json"), "w") as f:
-      json.dump(jax.tree.map(lambda x: np.asarray(x).tolist(), results), f, indent=1)
+  # ---- final evaluation and export ----------------------------------------------------------
+  results = run.finish(state, writer)
+  writer.close()
   return results

@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmarks: build a train step from a config, synthetic batches, timing."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipf_jax import configuration
+from ipf_jax import mesh as mesh_lib
+from ipf_jax import optim
+from ipf_jax import state as state_lib
+from ipf_jax import step as step_lib
+from ipf_jax.data import layout
+from ipf_jax.models import create_model
+
+
+class Bench:
+  """Model, mesh, abstract state and the jitted train step of ``config`` on this host's devices."""
+
+  def __init__(self, config, image_shape, num_classes):
+    dp, dd = configuration.validate(config, jax.device_count())
+    devices = jax.devices()[:config.num_devices or jax.device_count()]
+    self.config = config
+    self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
+    self.spec = configuration.particle_spec(config)
+    self.model = create_model(config, num_classes, bn_axis_name=mesh_lib.DATA)
+    total, warmup = optim.train_steps(config, steps_per_epoch=1)
+    self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
+    self.abstract, self.init = state_lib.train_state_init(
+        jax.random.PRNGKey(0), self.model, self.tx, image_shape, config.num_particles, self.mesh,
+        shared_init=self.spec.shared_init, shared_pattern=config.shared_params)
+    self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh,
+                                               label_smoothing=config.label_smoothing)
+    self.image_shape = image_shape
+    self.num_classes = num_classes
+
+  def synthetic_batch(self, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    g = self.config.global_batch_size
+    batch = {"image": rng.normal(size=(g,) + tuple(self.image_shape)).astype(dtype),
+             "label": rng.integers(0, self.num_classes, size=g).astype(np.int32)}
+    return layout.put_train_batch(batch, self.config.num_particles, self.mesh)
+
+  def batch_abstract(self):
+    g, p = self.config.global_batch_size, self.config.num_particles
+    shapes = {"image": ((p, g // p) + tuple(self.image_shape), jnp.float32), "label": ((p, g // p), jnp.int32)}
+    return {k: jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(self.mesh, step_lib.BATCH_SPEC[k]))
+            for k, (s, d) in shapes.items()}
+
+  def compiled(self):
+    return self.train_step.lower(self.abstract, self.batch_abstract()).compile()
+
+
+def memory_mib(compiled) -> dict:
+  """Per-device sizes from XLA's ``memory_analysis()`` in MiB; ``peak`` = arguments + outputs + temporaries - aliased."""
+  m = compiled.memory_analysis()
+  mib = lambda b: b / 2 ** 20
+  return {"arguments": mib(m.argument_size_in_bytes), "outputs": mib(m.output_size_in_bytes),
+          "temporaries": mib(m.temp_size_in_bytes), "aliased": mib(m.alias_size_in_bytes),
+          "peak": mib(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                      - m.alias_size_in_bytes)}
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+  """Median wall time of ``fn()`` (blocked until ready) over ``repeats`` runs, after ``warmup`` runs."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+  fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+  widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in columns]
+  print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+  for r in rows:
+    print("  ".join(fmt(r[c]).ljust(w) for c, w in zip(columns, widths)))
+
+
+def print_summary(summary: dict) -> None:
+  print("SUMMARY " + json.dumps(summary, sort_keys=True))

@@ -1,0 +1,151 @@
+"""Pictures of a run from its TensorBoard event files.
+
+  python -m ipf_jax.report WORKDIR [--out WORKDIR/report]
+
+Writes training_curves.png (per-particle loss), weights.png (ESS and weights
+over time, resampling events marked), genealogy.png (which slot descends from
+which at each resampling) and eval.png (accuracy, NLL and ECE of every
+particle, the ensembles and the fused model at the last evaluation).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+
+import numpy as np
+
+
+def read_scalars(workdir: str) -> dict:
+  """``{tag: (steps [n], values [n])}`` from every event file in ``workdir``, sorted by step."""
+  from tensorflow.compat.v1.train import summary_iterator  # TF is already the input pipeline's dependency
+  data = collections.defaultdict(dict)
+  files = sorted(glob.glob(os.path.join(workdir, "events.out.tfevents.*")))
+  if not files:
+    raise FileNotFoundError(f"no TensorBoard event files in {workdir}; run train.py with --workdir {workdir} first")
+  for path in files:
+    for event in summary_iterator(path):
+      for v in event.summary.value:
+        data[v.tag][event.step] = v.simple_value  # a resumed run overwrites the steps it repeats
+  return {tag: (np.array(sorted(d)), np.array([d[s] for s in sorted(d)])) for tag, d in data.items()}
+
+
+def _indexed(scalars: dict, prefix: str) -> dict:
+  """``{i: (steps, values)}`` for tags ``prefix<i>``."""
+  out = {}
+  for tag, sv in scalars.items():
+    m = re.fullmatch(re.escape(prefix) + r"(\d+)", tag)
+    if m:
+      out[int(m.group(1))] = sv
+  return dict(sorted(out.items()))
+
+
+def plot_training_curves(scalars, path, plt):
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  for i, (s, v) in _indexed(scalars, "particle/loss/").items():
+    ax.plot(s, v, lw=0.8, alpha=0.7, label=f"particle {i}")
+  if "train/loss" in scalars:
+    ax.plot(*scalars["train/loss"], color="k", lw=1.5, label="weighted mean")
+  ax.set(xlabel="step", ylabel="training loss", yscale="log", title="Per-particle training loss")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _resample_steps(scalars):
+  if "resample/event" not in scalars:
+    return np.array([])
+  s, v = scalars["resample/event"]
+  return s[v > 0]
+
+
+def plot_weights(scalars, path, plt):
+  fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+  weights = _indexed(scalars, "particle/weight/")
+  if "train/ess" in scalars:
+    ax1.plot(*scalars["train/ess"], color="C0")
+    ax1.axhline(len(weights), color="gray", lw=0.5, ls=":")
+  ax1.set(ylabel="ESS", title="Effective sample size and weights (dashed: resampling)")
+  if weights:
+    steps = next(iter(weights.values()))[0]
+    stack = np.stack([np.interp(steps, s, v) for s, v in weights.values()])
+    ax2.stackplot(steps, stack, labels=[f"{i}" for i in weights], alpha=0.8)
+  ax2.set(xlabel="step", ylabel="weight", ylim=(0, 1))
+  for s in _resample_steps(scalars):
+    for ax in (ax1, ax2):
+      ax.axvline(s, color="r", lw=0.4, ls="--", alpha=0.5)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_genealogy(scalars, path, plt):
+  ancestors = _indexed(scalars, "resample/ancestor/")
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  num = len(ancestors) or len(_indexed(scalars, "particle/weight/"))
+  events = _resample_steps(scalars)
+  ax.set(xlabel="resampling event", ylabel="slot", title="Particle genealogy: slot <- ancestor at each resampling",
+         yticks=range(num))
+  for k, step in enumerate(events):
+    for slot, (s, v) in ancestors.items():
+      hit = np.nonzero(s == step)[0]
+      if hit.size:
+        a = int(v[hit[0]])
+        ax.plot([k, k + 1], [a, slot], color="C3" if a != slot else "C0", lw=1.2 if a != slot else 0.6,
+                alpha=0.9 if a != slot else 0.4)
+  if not len(events):
+    ax.text(0.5, 0.5, "no resampling in this run", transform=ax.transAxes, ha="center")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_eval(scalars, path, plt):
+  models = sorted({t.split("/")[1] for t in scalars if t.startswith("eval/")},
+                  key=lambda m: (not m.startswith("particle"), int(m.split("_")[1]) if m.startswith("particle_") else 0, m))
+  fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+  for ax, metric in zip(axes, ("accuracy", "nll", "ece")):
+    vals = [scalars[f"eval/{m}/{metric}"][1][-1] if f"eval/{m}/{metric}" in scalars else np.nan for m in models]
+    colors = ["C0" if m.startswith("particle") else "C3" for m in models]
+    ax.bar(range(len(models)), vals, color=colors)
+    ax.set_xticks(range(len(models)), [m.replace("particle_", "p") for m in models], rotation=60, fontsize=7)
+    ax.set_title(metric)
+    if metric == "accuracy" and np.isfinite(vals).any():
+      lo = np.nanmin(vals)
+      ax.set_ylim(max(0.0, lo - 0.05), min(1.0, np.nanmax(vals) + 0.01))
+  fig.suptitle("Final evaluation: particles (blue), ensembles and fused model (red)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_report(workdir: str, out: str | None = None) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  out = out or os.path.join(workdir, "report")
+  os.makedirs(out, exist_ok=True)
+  scalars = read_scalars(workdir)
+  paths = []
+  for name, fn in (("training_curves.png", plot_training_curves), ("weights.png", plot_weights),
+                   ("genealogy.png", plot_genealogy), ("eval.png", plot_eval)):
+    path = os.path.join(out, name)
+    fn(scalars, path, plt)
+    paths.append(path)
+  return paths
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("workdir")
+  parser.add_argument("--out", default=None, help="output folder (default WORKDIR/report)")
+  args = parser.parse_args()
+  for p in write_report(args.workdir, args.out):
+    print(p)
+
+
+if __name__ == "__main__":
+  main()

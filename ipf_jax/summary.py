@@ -1,0 +1,67 @@
+"""TensorBoard event files in the workdir (process 0 only), via tensorboardX.
+
+Scalar tags (read back by ``ipf_jax.report``):
+  train/loss, train/lr, train/ess, train/max_weight, train/resamples, train/num_alive,
+  train/grad_norm, train/images_per_s, train/diversity,
+  particle/loss/<i>, particle/weight/<i>, particle/diversity/<i>,
+  resample/event (1 at a step that resampled), resample/ancestor/<slot> (at those steps),
+  eval/<model>/<accuracy|nll|ece> with model = ensemble, ensemble_uniform, fused, particle_<i>.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+class SummaryWriter:
+  """Writes nothing on processes other than 0."""
+
+  def __init__(self, workdir: str):
+    self._writer = None
+    if jax.process_index() == 0:
+      from tensorboardX import SummaryWriter as _Writer
+      self._writer = _Writer(logdir=workdir, flush_secs=30)
+
+  def scalars(self, step: int, values: dict) -> None:
+    if self._writer is None:
+      return
+    for tag, v in values.items():
+      v = float(v)
+      if np.isfinite(v):
+        self._writer.add_scalar(tag, v, step)
+
+  def train_step(self, step: int, m: dict, lr: float) -> None:
+    """One step's metrics (host numpy ``m`` from the train step)."""
+    if self._writer is None:
+      return
+    w = np.exp(m["log_weights"])
+    alive = m["alive"] > 0
+    values = {"train/loss": np.sum(np.where(alive, w * np.nan_to_num(m["loss"]), 0.0)), "train/lr": lr,
+              "train/ess": m["ess"], "train/max_weight": w.max(), "train/num_alive": m["num_alive"],
+              "train/grad_norm": np.mean(m["grad_norm"][alive]) if alive.any() else np.nan,
+              "resample/event": float(m["resampled"])}
+    for i in range(len(w)):
+      values[f"particle/loss/{i}"] = m["loss"][i]
+      values[f"particle/weight/{i}"] = w[i]
+    if m["resampled"]:
+      for slot, a in enumerate(m["ancestors"]):
+        values[f"resample/ancestor/{slot}"] = a
+    self.scalars(step, values)
+
+  def eval_results(self, step: int, results: dict) -> None:
+    values = {}
+    for model in ("ensemble", "ensemble_uniform", "fused"):
+      for metric in ("accuracy", "nll", "ece"):
+        values[f"eval/{model}/{metric}"] = results[model][metric]
+    for metric in ("accuracy", "nll", "ece"):
+      for i, v in enumerate(np.atleast_1d(results["particles"][metric])):
+        values[f"eval/particle_{i}/{metric}"] = v
+    self.scalars(step, values)
+
+  def flush(self) -> None:
+    if self._writer is not None:
+      self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()

@@ -1,0 +1,30 @@
+"""The benchmark scripts run end to end at a tiny size (no timing is asserted)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_module(module, *args, devices=1):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  line = [l for l in r.stdout.splitlines() if l.startswith("SUMMARY ")][-1]
+  return json.loads(line[len("SUMMARY "):])
+
+
+def test_gpu_resnet50_tiny_on_cpu():
+  s = run_module("benchmarks.gpu_resnet50", "--tiny", devices=2)
+  assert s["devices"] == 2 and s["model"] == "resnet_tiny"
+  assert s["ddp_images_per_s"] > 0 and s["ipf2_images_per_s"] > 0
+  assert abs(s["ipf2_over_ddp"] - s["ipf2_images_per_s"] / s["ddp_images_per_s"]) < 1e-9
+
+
+def test_memory_benchmark_tiny():
+  s = run_module("benchmarks.memory_resnet50", "--model", "resnet_tiny", "--image_size", "16",
+                 "--per_device_batch", "8")
+  peaks = s["peak_mib"]
+  assert peaks["L=1"] > 0 and peaks["L=4"] > peaks["L=1"], "4 particles hold more state than 1"
