@@ -35,7 +35,8 @@ class Bench:
         jax.random.PRNGKey(0), self.model, self.tx, image_shape, config.num_particles, self.mesh,
         shared_init=self.spec.shared_init, shared_pattern=config.shared_params)
     self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh,
-                                               label_smoothing=config.label_smoothing)
+                                               label_smoothing=config.label_smoothing,
+                                               particle_loop=config.particle_loop)
     self.image_shape = image_shape
     self.num_classes = num_classes
 

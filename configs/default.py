@@ -63,6 +63,8 @@ def get_config():
   config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
   config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
 
+  config.particle_loop = "vmap"        # vmap | map | unroll: how a device runs its local particles
+
   # --- devices (DESIGN.md §2) ------------------------------------------------
   config.num_devices = 0               # devices to use (0 = all)
   config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))

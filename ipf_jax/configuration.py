@@ -17,6 +17,7 @@ MODES = ("ddp", "ensemble", "ipf")
 LR_SCALING = ("none", "linear", "sqrt")
 DTYPES = ("float32", "bfloat16")
 INITS = ("auto", "shared", "independent")
+PARTICLE_LOOPS = ("vmap", "map", "unroll")
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check_choice(config, "lr_scaling", LR_SCALING)
   _check_choice(config, "dtype", DTYPES)
   _check_choice(config, "init", INITS)
+  _check_choice(config, "particle_loop", PARTICLE_LOOPS)
   try:
     re.compile(config.shared_params)
   except re.error as e:

@@ -40,6 +40,33 @@ def _all_finite(tree):
   return jnp.stack(leaves).all(axis=0)
 
 
+def over_particles(fn: Callable, loop: str, in_axes: tuple) -> Callable:
+  """``fn`` (written for one particle) over the local particles: ``jax.vmap``,
+  ``lax.map`` (a loop XLA keeps rolled) or a Python loop unrolled at trace time.
+
+  ``in_axes`` as for ``vmap``: 0 for per-particle arguments, None for shared
+  ones. A vmapped convolution becomes a grouped convolution, which some
+  backends run slower than separate ones; ``particle_loop`` picks.
+  """
+  if loop == "vmap":
+    return jax.vmap(fn, in_axes=in_axes)
+
+  def run(*args):
+    per = [a for a, ax in zip(args, in_axes) if ax == 0]
+
+    def one(sliced):
+      it = iter(sliced)
+      return fn(*[next(it) if ax == 0 else a for a, ax in zip(args, in_axes)])
+
+    if loop == "map":
+      return lax.map(one, per)
+    num = jax.tree.leaves(per)[0].shape[0]
+    outs = [one(jax.tree.map(lambda x, i=i: x[i], per)) for i in range(num)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+  return run
+
+
 def _jitter(params, src, key, sigma, num_local):
   """``theta += sigma * eps`` on slots that received a copy (``src[n] != n``).
 
@@ -61,7 +88,7 @@ def _jitter(params, src, key, sigma, num_local):
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: ParticleSpec,
-                    mesh: jax.sharding.Mesh, label_smoothing: float = 0.0) -> Callable:
+                    mesh: jax.sharding.Mesh, label_smoothing: float = 0.0, particle_loop: str = "vmap") -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
 
   ``batch`` is ``{"image": [P, B, ...], "label": [P, B]}`` sharded
@@ -82,9 +109,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     # The particle's loss over its whole data group; its gradient is the group mean.
     return lax.pmean(loss, DATA), new_vars["batch_stats"]
 
-  def resample(step_key, particle, log_w):
+  def resample(step_key, particle, log_w, all_log_w):
     """Systematic resampling, survivors in place, exchange, weights reset."""
-    all_log_w = pf.gather_all(log_w, PARTICLE)
     u = jax.random.uniform(jax.random.fold_in(step_key, 0))
     src = pf.assign_slots(pf.systematic_resample(u, all_log_w))
     params, batch_stats, opt_state = pf.exchange(particle, src, PARTICLE, dp)
@@ -99,32 +125,38 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     #    parameters are marked device-varying so that each particle gets its own gradient.
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
     shared = jax.tree.map(lambda x: lax.pcast(x, (PARTICLE,), to="varying"), state.shared_params)
-    (loss, batch_stats), (grads, shared_grads) = jax.vmap(grad_fn, in_axes=(0, None, 0, 0, 0))(
+    (loss, batch_stats), (grads, shared_grads) = over_particles(grad_fn, particle_loop, (0, None, 0, 0, 0))(
         state.params, shared, state.batch_stats, batch["image"], batch["label"])
     alive = jnp.isfinite(loss) & _all_finite((grads, shared_grads))
     # No NaN leaves a culled particle.
     grads, shared_grads = jax.tree.map(lambda g: jnp.where(_per_particle(alive, g), g, 0), (grads, shared_grads))
-    # 2. Importance weights, normalised over all particles.
-    log_w = pf.normalize(pf.update_log_weights(state.log_weights, loss, alive, spec.temperature, spec.forgetting),
-                         PARTICLE)
+    # 2. Importance weights. The per-particle numbers of all particles travel in one psum;
+    #    normalisation, ESS and the resampling decision are then computed replicated.
+    num_local = loss.shape[0]
+    raw_log_w = pf.update_log_weights(state.log_weights, loss, alive, spec.temperature, spec.forgetting)
+    grad_norm = jax.vmap(optax.tree.norm)((grads, shared_grads))
+    table = pf.gather_all(jnp.stack([raw_log_w, loss, alive.astype(loss.dtype), grad_norm], axis=1), PARTICLE)
+    all_log_w = pf.normalize(table[:, 0])
+    log_w = lax.dynamic_slice_in_dim(all_log_w, lax.axis_index(PARTICLE) * num_local, num_local)
+    weights = jnp.exp(log_w)
     # 3. Weighted global correction.
-    directions = correction.correct(grads, jnp.exp(log_w), spec.correction, PARTICLE)
+    directions = correction.correct(grads, weights, spec.correction, PARTICLE)
     # 4. Per-particle optimizer update.
     updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
     particle = (optax.apply_updates(state.params, updates), batch_stats, opt_state)
     # Shared parameters: one update with the weighted consensus gradient (lambda = 1 for them).
-    shared_updates, shared_opt_state = tx.update(correction.weighted_sum(shared_grads, jnp.exp(log_w), PARTICLE),
+    shared_updates, shared_opt_state = tx.update(correction.weighted_sum(shared_grads, weights, PARTICLE),
                                                  state.shared_opt_state, state.shared_params)
     shared_params = optax.apply_updates(state.shared_params, shared_updates)
     # 5. Resampling, decided inside the step: low ESS, a culled particle to replace, or the schedule.
-    ess = pf.ess(log_w, PARTICLE)
-    num_alive = lax.psum(alive.sum(dtype=jnp.int32), PARTICLE)
+    ess = pf.ess(all_log_w)
+    num_alive = jnp.sum(table[:, 2]).astype(jnp.int32)
     new_log_w, src, resampled = log_w, jnp.arange(num_particles, dtype=jnp.int32), jnp.zeros((), bool)
     if spec.resampling:
       resampled = (ess < spec.ess_threshold * num_particles) | ((num_alive < num_particles) & (num_alive > 0))
       if spec.resample_every:
         resampled |= (state.step + 1) % spec.resample_every == 0
-      particle, new_log_w, src = lax.cond(resampled, lambda p, w: resample(step_key, p, w),
+      particle, new_log_w, src = lax.cond(resampled, lambda p, w: resample(step_key, p, w, all_log_w),
                                           lambda p, w: (p, w, src), particle, log_w)
     ok = num_alive > 0  # nothing finite: skip the update (DDP's skipped step)
     params, batch_stats, opt_state = particle
@@ -133,11 +165,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
                             shared_params=shared_params, shared_opt_state=shared_opt_state)
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
     new_state = new_state.replace(step=state.step + 1, num_skipped=state.num_skipped + (~ok).astype(jnp.int32))
-    per_particle = {"loss": loss, "alive": alive.astype(jnp.int32),
-                    "grad_norm": jax.vmap(optax.tree.norm)((grads, shared_grads)),
-                    "log_weights": log_w}
-    metrics = {**jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
-               "ess": ess, "resampled": resampled & ok, "ancestors": src, "num_alive": num_alive}
+    metrics = {"loss": table[:, 1], "alive": table[:, 2].astype(jnp.int32), "grad_norm": table[:, 3],
+               "log_weights": all_log_w, "ess": ess, "resampled": resampled & ok, "ancestors": src,
+               "num_alive": num_alive}
     return new_state, metrics
 
   specs = state_specs()
@@ -146,7 +176,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
   return jax.jit(sharded, donate_argnums=0)
 
 
-def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
+def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
   """``eval_step(state, batch) -> sums`` for every particle, the ensembles and the fused model.
 
   ``batch`` is ``{"image": [N, ...], "label": [N], "mask": [N]}`` sharded over
@@ -164,7 +194,8 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
   def local_eval(state: ParticleState, batch):
     image, label, mask = batch["image"], batch["label"], batch["mask"]
     shared = state.shared_params
-    probs = jax.vmap(predict, in_axes=(0, None, 0, None))(state.params, shared, state.batch_stats, image)  # [L, b, C]
+    probs = over_particles(predict, particle_loop, (0, None, 0, None))(
+        state.params, shared, state.batch_stats, image)  # [L, b, C]
     w = jnp.exp(state.log_weights)
     alive = (w > 0).astype(jnp.float32)
     per_particle = jax.vmap(metrics_lib.classification_sums, in_axes=(0, None, None))(probs, label, mask)

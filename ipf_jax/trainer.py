@@ -154,7 +154,7 @@ class _Run:
     self.abstract_state, self.init_state = state_lib.train_state_init(
         jax.random.PRNGKey(config.seed), self.model, self.tx, self.dataset.image_shape, spec.num_particles,
         self.mesh, shared_init=spec.shared_init, shared_pattern=config.shared_params)
-    self.eval_step = step_lib.make_eval_step(self.model, self.mesh)
+    self.eval_step = step_lib.make_eval_step(self.model, self.mesh, config.particle_loop)
     self.fuse = step_lib.make_fuse_fn(self.mesh)
 
   def restore(self, ckpt):
@@ -216,7 +216,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
     state = run.restore(ckpt)
   if state is None:
     state = run.init_state()
-  train_step = step_lib.make_train_step(run.model, run.tx, spec, mesh, label_smoothing=config.label_smoothing)
+  train_step = step_lib.make_train_step(run.model, run.tx, spec, mesh, label_smoothing=config.label_smoothing,
+                                        particle_loop=config.particle_loop)
   writer = summary.SummaryWriter(workdir)
 
   # ---- loop ---------------------------------------------------------------------------------
@@ -239,8 +240,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
       skipped = _check_finite(state, spec.num_particles, done)
       now = time.perf_counter()
       rate = (done - last_step) / (now - t_last)
-      for k, mk in enumerate(fetched):
-        writer.train_step(done - len(fetched) + k + 1, mk, float(run.lr_fn((done - len(fetched) + k + 1) // config.grad_accum_steps)))
+      for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
+        writer.train_step(k, mk, float(run.lr_fn(k // config.grad_accum_steps)))
       m = fetched[-1]
       _, distances = run.fuse(state)
       distances = np.asarray(distances)

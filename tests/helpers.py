@@ -66,7 +66,8 @@ class Setup:
     self.state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), self.model, self.tx, (8, 8, 1),
                                               config.num_particles, self.mesh, self.spec.shared_init,
                                               config.shared_params)
-    self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh)
+    self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh,
+                                               particle_loop=config.particle_loop)
 
   def put(self, images, labels):
     from ipf_jax.data import layout

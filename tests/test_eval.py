@@ -21,9 +21,9 @@ def numpy_metrics(probs, labels, bins=15):
   return {"accuracy": correct.mean(), "nll": nll.mean(), "ece": ece}
 
 
-@pytest.mark.parametrize("dp,dd,p", [(8, 1, 8), (4, 2, 8), (1, 8, 2), (2, 4, 4)])
-def test_eval_matches_numpy(dp, dd, p):
-  config = helpers.tiny_config(num_particles=p, init="shared", eval_batch_size=64)
+@pytest.mark.parametrize("dp,dd,p,loop", [(8, 1, 8, "vmap"), (4, 2, 8, "vmap"), (1, 8, 2, "vmap"), (2, 4, 4, "map")])
+def test_eval_matches_numpy(dp, dd, p, loop):
+  config = helpers.tiny_config(num_particles=p, init="shared", eval_batch_size=64, particle_loop=loop)
   s = helpers.Setup(config, dp, dd)
   for images, labels in helpers.particle_batches(p, 3):  # a few steps so that particles differ
     s.state, _ = s.train_step(s.state, s.put(images, labels))
@@ -39,7 +39,7 @@ def test_eval_matches_numpy(dp, dd, p):
   state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, s.state))
 
   data = helpers.digits_data()
-  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh), state, data, config.eval_batch_size, s.mesh)
+  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), state, data, config.eval_batch_size, s.mesh)
 
   x, y = data.test_images, data.test_labels
   apply = jax.jit(lambda v: jax.nn.softmax(s.plain_model.apply(v, x, train=False)))

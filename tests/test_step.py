@@ -60,10 +60,11 @@ def test_ipf_step_matches_reference(dp, dd, p):
   assert_same_run(s, ref, spmd, refr)
 
 
-@pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (2, 4, 4), (8, 1, 16)])
-def test_scheduled_resampling_matches_reference(dp, dd, p):
+@pytest.mark.parametrize("dp,dd,p,loop", [(4, 2, 8, "vmap"), (2, 4, 4, "map"), (8, 1, 16, "unroll"),
+                                         (4, 2, 16, "map")])
+def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
   config = helpers.tiny_config(num_particles=p, temperature=0.5, correction=1.0, ess_threshold=0.0,
-                               resample_every=2)
+                               resample_every=2, particle_loop=loop)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert [r["resampled"] for r in refr] == [False, True, False, True]
   assert_same_run(s, ref, spmd, refr)

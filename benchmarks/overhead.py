@@ -1,0 +1,193 @@
+"""What the particle machinery costs, as ratios measured in one process (issue: performance).
+
+  python -m benchmarks.overhead            # 8 CPU devices (set below), digits CNN
+  python -m benchmarks.overhead --model resnet_tiny --image_size 32
+
+All timings are medians of repeated steps after compilation; variants are
+measured in alternating rounds so machine noise hits them alike. Prints a
+table and ``SUMMARY {json}``.
+
+1. ipf without a resample / ensemble; ipf resampling every step / ensemble;
+   amortised over the digits run's measured resampling rate.
+2. ddp (one particle) / a minimal hand-written jitted data-parallel step.
+3. particles per device L = 1, 2, 4: per-example cost relative to L = 1, for
+   vmap, lax.map and an unrolled loop.
+4. peak memory (memory_analysis) of the ipf step / the ensemble step.
+5. input pipeline images/s / train step images/s (digits).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from benchmarks.common import Bench, median_time, memory_mib, print_summary, print_table  # noqa: E402
+from configs import digits  # noqa: E402
+from ipf_jax.data import digits as digits_data  # noqa: E402
+from ipf_jax.models import create_model  # noqa: E402
+
+
+def config_for(args, **kw):
+  c = digits.get_config()
+  c.model, c.num_cpu_devices = args.model, 0
+  c.global_batch_size = args.per_particle_batch * kw.get("num_particles", c.num_particles)
+  for k, v in kw.items():
+    c[k] = v
+  return c
+
+
+def image_shape(args):
+  return (8, 8, 1) if args.model == "cnn" else (args.image_size, args.image_size, 3)
+
+
+class Timed:
+  """A compiled train step with its state and one fixed batch."""
+
+  def __init__(self, config, args):
+    self.bench = Bench(config, image_shape(args), 10)
+    self.state = self.bench.init()
+    self.batch = self.bench.synthetic_batch()
+
+  def __call__(self):
+    self.state, m = self.bench.train_step(self.state, self.batch)
+    return m["loss"]
+
+
+def handwritten_ddp(config, args):
+  """Minimal data-parallel step: jit over a batch sharded on every device, params replicated."""
+  mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
+  model = create_model(config, 10)
+  tx = optax.sgd(0.01, momentum=0.9, nesterov=True)
+  rep = NamedSharding(mesh, P())
+  variables = jax.jit(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + image_shape(args)), train=False),
+                      out_shardings=rep)()
+  params, stats = variables["params"], variables["batch_stats"]
+  opt_state = jax.jit(tx.init, out_shardings=rep)(params)
+  g = config.global_batch_size
+  rng = np.random.default_rng(0)
+  x = jax.device_put(rng.normal(size=(g,) + image_shape(args)).astype(np.float32), NamedSharding(mesh, P("batch")))
+  y = jax.device_put(rng.integers(0, 10, g).astype(np.int32), NamedSharding(mesh, P("batch")))
+
+  @jax.jit
+  def step(params, stats, opt_state, x, y):
+    def loss_fn(p):
+      logits, new = model.apply({"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new["batch_stats"]
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), stats, opt_state, loss
+
+  box = [params, stats, opt_state]
+
+  def run():
+    *box[:], loss = step(*box, x, y)
+    return loss
+  return run
+
+
+def measure(variants: dict, repeats: int, rounds: int) -> dict:
+  times = {k: [] for k in variants}
+  for _ in range(rounds):
+    for k, fn in variants.items():
+      times[k].append(median_time(fn, repeats))
+  return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def digits_resample_rate(args):
+  """Fraction of steps that resampled in the digits config's own run (measured, not assumed)."""
+  c = config_for(args, num_train_steps=300)
+  t = Timed(c, args)
+  data = digits_data.load()
+  from ipf_jax.data import layout
+  resampled = 0
+  for step in range(c.num_train_steps):
+    batch = layout.put_train_batch(data.train_batch(step, c.global_batch_size, c.seed), c.num_particles,
+                                   t.bench.mesh)
+    t.state, m = t.bench.train_step(t.state, batch)
+    resampled += int(m["resampled"])
+  return resampled / c.num_train_steps
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="cnn")
+  parser.add_argument("--image_size", type=int, default=32)
+  parser.add_argument("--per_particle_batch", type=int, default=16)
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args()
+  d = jax.device_count()
+  summary = {"benchmark": "overhead", "devices": d, "backend": jax.default_backend(), "model": args.model}
+
+  # 1. IPF vs ensemble; 4. memory of the same compiled steps.
+  p = d
+  variants = {"ensemble": Timed(config_for(args, mode="ensemble", num_particles=p), args),
+              "ipf (no resample)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0), args),
+              "ipf lambda=0 (no resample)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
+                                                             correction=0.0), args),
+              "ipf (resample every step)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
+                                                            resample_every=1), args)}
+  t = measure(variants, args.repeats, args.rounds)
+  rate = digits_resample_rate(args)
+  amortised = (1 - rate) * t["ipf (no resample)"] + rate * t["ipf (resample every step)"]
+  mem = {k: memory_mib(v.bench.compiled())["peak"] for k, v in variants.items()}
+  rows = [{"variant": k, "step_ms": 1e3 * v, "vs ensemble": v / t["ensemble"], "peak_MiB": mem[k]}
+          for k, v in t.items()]
+  rows.append({"variant": f"ipf amortised (resample rate {rate:.3f})", "step_ms": 1e3 * amortised,
+               "vs ensemble": amortised / t["ensemble"], "peak_MiB": float("nan")})
+  print(f"\n1. IPF overhead ({p} particles on {d} devices, {args.model})")
+  print_table(rows, ["variant", "step_ms", "vs ensemble", "peak_MiB"])
+  summary.update(ipf_no_resample_over_ensemble=t["ipf (no resample)"] / t["ensemble"],
+                 ipf_lambda0_no_resample_over_ensemble=t["ipf lambda=0 (no resample)"] / t["ensemble"],
+                 ipf_resample_every_step_over_ensemble=t["ipf (resample every step)"] / t["ensemble"],
+                 digits_resample_rate=rate, ipf_amortised_over_ensemble=amortised / t["ensemble"],
+                 resampling_peak_memory_ratio=mem["ipf (resample every step)"] / mem["ensemble"])
+
+  # 2. DDP vs a hand-written data-parallel step.
+  ddp_cfg = config_for(args, mode="ddp", num_particles=1, global_batch_size=args.per_particle_batch * d)
+  t = measure({"ddp (ipf_jax, P=1)": Timed(ddp_cfg, args), "hand-written jit DP": handwritten_ddp(ddp_cfg, args)},
+              args.repeats, args.rounds)
+  print(f"\n2. DDP overhead ({args.per_particle_batch * d} examples per step on {d} devices)")
+  print_table([{"variant": k, "step_ms": 1e3 * v, "vs hand-written": v / t["hand-written jit DP"]}
+               for k, v in t.items()], ["variant", "step_ms", "vs hand-written"])
+  summary["ddp_over_handwritten"] = t["ddp (ipf_jax, P=1)"] / t["hand-written jit DP"]
+
+  # 3. Particles per device, three ways of looping over them.
+  rows = []
+  for loop in ("vmap", "map", "unroll"):
+    variants = {l: Timed(config_for(args, mode="ensemble", num_particles=l * d, particle_loop=loop), args)
+                for l in (1, 2, 4)}
+    t = measure(variants, args.repeats, max(2, args.rounds // 2))
+    for l, v in t.items():
+      rows.append({"loop": loop, "L": l, "step_ms": 1e3 * v, "per-example vs L=1": (v / l) / t[1]})
+      summary[f"per_example_L{l}_{loop}"] = (v / l) / t[1]
+  print(f"\n3. Particles per device ({args.per_particle_batch} examples per particle; per-example cost vs L=1)")
+  print_table(rows, ["loop", "L", "step_ms", "per-example vs L=1"])
+
+  # 5. Input pipeline vs train step (digits).
+  data = digits_data.load()
+  c = config_for(args)
+  n = 200
+  t0 = time.perf_counter()
+  for step in range(n):
+    data.train_batch(step, c.global_batch_size, c.seed)
+  input_rate = n * c.global_batch_size / (time.perf_counter() - t0)
+  step_time = measure({"ipf": Timed(config_for(args), args)}, args.repeats, 2)["ipf"]
+  train_rate = c.global_batch_size / step_time
+  print(f"\n5. Input: digits host batches {input_rate:,.0f} images/s vs train step {train_rate:,.0f} images/s")
+  summary.update(input_images_per_s=input_rate, train_images_per_s=train_rate,
+                 input_over_train=input_rate / train_rate)
+  print_summary(summary)
+
+
+if __name__ == "__main__":
+  main()

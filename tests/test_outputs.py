@@ -1,0 +1,80 @@
+"""What a run leaves in its workdir: TensorBoard events, pictures, --eval_only, the exported fused model."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from ipf_jax import export
+from ipf_jax import report
+from tests import helpers
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("run")
+  r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--config.log_every_steps=5",
+                           "--config.eval_every_steps=10")
+  assert r.returncode == 0, r.stdout + r.stderr
+  return workdir, r.stdout
+
+
+def table(out):
+  return out[out.index("final evaluation"):].split("\n", 1)[1].strip()
+
+
+def test_tensorboard_events_hold_every_step(run):
+  workdir, _ = run
+  scalars = report.read_scalars(str(workdir))
+  for tag in ["train/loss", "train/ess", "train/lr", "train/max_weight", "train/grad_norm", "resample/event"]:
+    steps, values = scalars[tag]
+    np.testing.assert_array_equal(steps, np.arange(1, STEPS + 1)), tag
+  for tag in ["train/diversity", "train/images_per_s", "train/resamples"]:
+    np.testing.assert_array_equal(scalars[tag][0], [5, 10, 15, 20])
+  for i in range(8):
+    assert f"particle/loss/{i}" in scalars and f"particle/weight/{i}" in scalars
+  weights = np.stack([scalars[f"particle/weight/{i}"][1] for i in range(8)])
+  np.testing.assert_allclose(weights.sum(0), 1.0, rtol=1e-4)
+  results = json.load(open(workdir / "eval_results.json"))
+  for model in ["ensemble", "fused", "particle_3"]:
+    steps, values = scalars[f"eval/{model}/accuracy"]
+    np.testing.assert_array_equal(steps, [10, STEPS])
+  assert scalars["eval/fused/accuracy"][1][-1] == pytest.approx(results["fused"]["accuracy"], rel=1e-6)
+  events = scalars["resample/event"][1]
+  if events.any():  # ancestors are logged exactly at the resampling steps
+    assert set(scalars["resample/ancestor/0"][0]) == set(scalars["resample/event"][0][events > 0])
+
+
+def test_report_writes_pictures(run, tmp_path):
+  workdir, _ = run
+  paths = report.write_report(str(workdir), str(tmp_path))
+  assert [p.rsplit("/", 1)[1] for p in paths] == ["training_curves.png", "weights.png", "genealogy.png", "eval.png"]
+  for p in paths:
+    data = open(p, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_eval_only_prints_the_final_table(run):
+  workdir, out = run
+  r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--eval_only")
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert f"resumed from {workdir / 'checkpoints' / str(STEPS)}" in r.stdout
+  assert table(r.stdout) == table(out)
+
+
+def test_eval_only_without_checkpoint_is_a_clear_error(tmp_path):
+  r = helpers.run_train_py(tmp_path / "empty", "--eval_only")
+  assert r.returncode != 0 and "error: --eval_only: no checkpoint in" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_exported_fused_model_reproduces_its_accuracy(run):
+  workdir, _ = run
+  model, variables = export.load_fused(str(workdir / "fused_model"))
+  data = helpers.digits_data()
+  logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, data.test_images)
+  accuracy = float(np.mean(np.argmax(logits, -1) == data.test_labels))
+  expected = json.load(open(workdir / "eval_results.json"))["fused"]["accuracy"]
+  assert accuracy == pytest.approx(expected, abs=1e-9)
+  assert accuracy > 0.5
