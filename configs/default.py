@@ -27,6 +27,8 @@ def get_config():
   config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer
   config.global_batch_size = 128       # G: examples per step, over all particles and devices
   config.eval_batch_size = 256         # examples per eval step (padded, masked)
+  config.train_fraction = 1.0          # embedded datasets: train on this fixed random fraction of the train split
+  config.label_noise = 0.0             # embedded datasets: this fraction of train labels replaced by another class
 
   # --- model -----------------------------------------------------------------
   config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny

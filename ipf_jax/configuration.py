@@ -114,6 +114,11 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {config.warmup_epochs}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
   _check(config.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1 (1 = off), got {config.grad_accum_steps}")
+  _check(0 < config.train_fraction <= 1, "train_fraction", f"must be in (0, 1], got {config.train_fraction}")
+  _check(0 <= config.label_noise < 1, "label_noise", f"must be in [0, 1), got {config.label_noise}")
+  if config.dataset != "digits":
+    _check(config.train_fraction == 1 and config.label_noise == 0, "train_fraction",
+           "train_fraction and label_noise apply to the embedded digits dataset only; leave them at 1.0 and 0.0")
   _check(config.image_size >= 8, "image_size", f"must be >= 8, got {config.image_size}")
   _check(config.shuffle_buffer >= 1, "shuffle_buffer", f"must be >= 1, got {config.shuffle_buffer}")
   _check(config.base_lr > 0, "base_lr", f"must be > 0, got {config.base_lr}")

@@ -16,7 +16,10 @@ def create_dataset(config: ml_collections.ConfigDict):
   ``steps_per_epoch(G)``, ``train_batches(start_step, G, seed)`` and ``eval_batches(n)``."""
   if config.dataset == "digits":
     from ipf_jax.data import digits
-    return digits.load()
+    data = digits.load()
+    if config.train_fraction < 1 or config.label_noise > 0:
+      data = data.harder(config.train_fraction, config.label_noise)
+    return data
   if config.dataset in TFDS_DATASETS:
     from ipf_jax.data import tfds_input  # imports TensorFlow: only for TFDS datasets
     return tfds_input.TFDSDataset(config.dataset, config.data_dir or None, config.image_size,

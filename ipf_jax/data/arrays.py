@@ -45,6 +45,17 @@ class ArrayDataset:
     idx = order[i * global_batch_size:(i + 1) * global_batch_size]
     return {"image": self.train_images[idx], "label": self.train_labels[idx]}
 
+  def harder(self, train_fraction: float, label_noise: float, seed: int = 0) -> "ArrayDataset":
+    """A fixed random ``train_fraction`` of the training set, with ``label_noise`` of its labels
+    replaced by a uniformly drawn *other* class (symmetric noise). The test set is untouched."""
+    rng = np.random.default_rng([seed, 7919])
+    n = len(self.train_labels)
+    keep = np.sort(rng.permutation(n)[:max(1, round(train_fraction * n))])
+    labels = self.train_labels[keep].copy()
+    noisy = rng.random(len(labels)) < label_noise
+    labels[noisy] = (labels[noisy] + rng.integers(1, self.num_classes, noisy.sum())) % self.num_classes
+    return dataclasses.replace(self, train_images=self.train_images[keep], train_labels=labels.astype(np.int32))
+
   def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
     """``train_batch`` for ``start_step, start_step + 1, ...``."""
     step = start_step
