@@ -33,7 +33,7 @@ class Bench:
     self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
     self.abstract, self.init = state_lib.train_state_init(
         jax.random.PRNGKey(0), self.model, self.tx, image_shape, config.num_particles, self.mesh,
-        shared_init=self.spec.shared_init, shared_pattern=config.shared_params)
+        shared_init=self.spec.shared_init, shared_pattern=config.shared_params, compress=self.spec.compress)
     self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh,
                                                label_smoothing=config.label_smoothing,
                                                particle_loop=config.particle_loop)
@@ -77,6 +77,16 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> floa
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t)
   return statistics.median(times)
+
+
+def measure(variants: dict, repeats: int, rounds: int) -> dict:
+  """Median seconds per call of each ``variants[name]()``, measured in alternating rounds
+  so that drift on a shared machine hits every variant alike."""
+  times = {k: [] for k in variants}
+  for _ in range(rounds):
+    for k, fn in variants.items():
+      times[k].append(median_time(fn, repeats))
+  return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

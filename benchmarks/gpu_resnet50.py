@@ -14,7 +14,7 @@ import argparse
 
 import jax
 
-from benchmarks.common import Bench, median_time, print_summary, print_table
+from benchmarks.common import Bench, measure, print_summary, print_table
 from configs import imagenet_r50
 
 # Dense bf16 peak FLOP/s by device kind (vendor specs), for MFU.
@@ -59,15 +59,12 @@ def main():
       return metrics["loss"]
     return run
 
-  times = {m: [] for m in benches}
-  for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both
-    for m in benches:
-      times[m].append(median_time(step(m), args.repeats))
+  times = measure({m: step(m) for m in benches}, args.repeats, args.rounds)
   images = args.per_device_batch * devices
   peak = PEAK_BF16.get(jax.devices()[0].device_kind)
   rows = []
   for m in benches:
-    t = sorted(times[m])[len(times[m]) // 2]
+    t = times[m]
     rows.append({"mode": m, "step_ms": 1e3 * t, "images_per_s": images / t,
                  "mfu": (flops[m] * devices / t / (peak * devices)) if peak and flops[m] else float("nan")})
   by = {r["mode"]: r for r in rows}

@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.common import Bench, median_time, memory_mib, print_summary, print_table  # noqa: E402
+from benchmarks.common import Bench, measure, memory_mib, print_summary, print_table  # noqa: E402
 from configs import digits  # noqa: E402
 from ipf_jax.data import digits as digits_data  # noqa: E402
 from ipf_jax.models import create_model  # noqa: E402
@@ -92,14 +92,6 @@ def handwritten_ddp(config, args):
     *box[:], loss = step(*box, x, y)
     return loss
   return run
-
-
-def measure(variants: dict, repeats: int, rounds: int) -> dict:
-  times = {k: [] for k in variants}
-  for _ in range(rounds):
-    for k, fn in variants.items():
-      times[k].append(median_time(fn, repeats))
-  return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def digits_resample_rate(args):

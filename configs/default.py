@@ -63,6 +63,7 @@ def get_config():
   config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
   config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P
   config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
+  config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
   config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
 
   config.particle_loop = "vmap"        # vmap | map | unroll: how a device runs its local particles

@@ -27,7 +27,7 @@ log = logging.getLogger("ipf_jax")
 STRUCTURAL_FIELDS = ("dataset", "model", "cnn_features", "num_particles", "grad_accum_steps",
                      "shared_params")
 # Fields whose zero/non-zero setting changes the optimizer state's structure.
-OPTIMIZER_SWITCHES = ("momentum", "weight_decay", "grad_clip_norm")
+OPTIMIZER_SWITCHES = ("momentum", "weight_decay", "grad_clip_norm", "compress_correction")
 
 
 class CheckpointError(RuntimeError):

@@ -40,6 +40,7 @@ class ParticleSpec:
   jitter: float
   shared_init: bool
   resampling: bool  # whether the step has the resampling branch at all (ipf mode, P > 1)
+  compress: bool = False  # int8 error-feedback exchange of the consensus gradient
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -49,7 +50,8 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
   if config.mode == "ipf" and config.num_particles > 1:
     return ParticleSpec(config.num_particles, float(config.temperature), float(config.forgetting),
                         float(config.correction), float(config.ess_threshold), int(config.resample_every),
-                        float(config.jitter), shared, resampling=True)
+                        float(config.jitter), shared, resampling=True,
+                        compress=bool(config.compress_correction) and config.correction > 0)
   return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False)
 
 

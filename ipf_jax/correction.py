@@ -29,13 +29,16 @@ def weighted_sum(tree, weights, axis_name: Optional[str] = None):
   return jax.tree.map(one, tree)
 
 
+def mix(grads, consensus, strength: float):
+  """``d_i = (1 - lambda) g_i + lambda * g_bar``."""
+  return jax.tree.map(lambda g, c: (1.0 - strength) * g + strength * c[None].astype(g.dtype), grads, consensus)
+
+
 def correct(grads, weights, strength: float, axis_name: Optional[str] = None):
   """``d_i = (1 - lambda) g_i + lambda * sum_j w_j g_j`` (DESIGN.md §3.3)."""
   if strength == 0.0:
     return grads
-  consensus = weighted_sum(grads, weights, axis_name)
-  return jax.tree.map(lambda g, c: (1.0 - strength) * g + strength * c[None].astype(g.dtype),
-                      grads, consensus)
+  return mix(grads, weighted_sum(grads, weights, axis_name), strength)
 
 
 def fuse(tree, weights, axis_name: Optional[str] = None):

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ipf_jax import compression
 from ipf_jax import sharing
 from ipf_jax.mesh import PARTICLE
 
@@ -30,6 +31,7 @@ class ParticleState:
     num_skipped: scalar int32, steps skipped because no particle was finite.
     shared_params: parameters shared by all particles, stored once (``{}`` without sharing).
     shared_opt_state: their optimizer state.
+    residual: ``[P, N]`` error-feedback residuals of the compressed correction (None without).
   """
   params: Any
   batch_stats: Any
@@ -41,12 +43,13 @@ class ParticleState:
   num_skipped: jax.Array
   shared_params: Any = None
   shared_opt_state: Any = None
+  residual: Any = None
 
 
 def state_specs() -> ParticleState:
   """``PartitionSpec`` prefix tree: per-particle leaves over ``"particle"``, the rest replicated."""
   per = P(PARTICLE)
-  return ParticleState(params=per, batch_stats=per, opt_state=per, log_weights=per,
+  return ParticleState(params=per, batch_stats=per, opt_state=per, log_weights=per, residual=per,
                        step=P(), rng=P(), num_resamples=P(), num_skipped=P(), shared_params=P(),
                        shared_opt_state=P())
 
@@ -60,7 +63,8 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
 
 def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
                      input_shape: tuple[int, ...], num_particles: int,
-                     mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = ""):
+                     mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = "",
+                     compress: bool = False):
   """The sharded abstract state (for restoring) and a jitted function that initialises it.
 
   Args:
@@ -72,6 +76,7 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
       independent inits as in a deep ensemble.
     shared_pattern: regex of parameter paths shared by all particles
       (``sharing.split``); they start from particle 0's init.
+    compress: allocate error-feedback residuals for the compressed correction.
   Returns:
     ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
     ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
@@ -87,7 +92,11 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
     keys = jax.vmap(lambda i: jax.random.fold_in(init_rng, i))(jnp.arange(num_particles) * (not shared_init))
     params, shared, batch_stats, opt_state = jax.vmap(init_one)(keys)
     shared = jax.tree.map(lambda x: x[0], shared)
-    return ParticleState(params=params, batch_stats=batch_stats, opt_state=opt_state,
+    residual = None  # orbax cannot save zero-size arrays: no leaf at all without compression
+    if compress:
+      size = compression.residual_size(sum(x[0].size for x in jax.tree.leaves(params)))
+      residual = jnp.zeros((num_particles, size), jnp.float32)
+    return ParticleState(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
                          shared_params=shared, shared_opt_state=tx.init(shared),
                          log_weights=jnp.full((num_particles,), -jnp.log(num_particles), jnp.float32),
                          step=jnp.zeros((), jnp.int32), rng=run_rng,

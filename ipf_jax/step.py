@@ -14,6 +14,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ipf_jax import compression
 from ipf_jax import correction
 from ipf_jax import filter as pf
 from ipf_jax import metrics as metrics_lib
@@ -113,11 +114,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     """Systematic resampling, survivors in place, exchange, weights reset."""
     u = jax.random.uniform(jax.random.fold_in(step_key, 0))
     src = pf.assign_slots(pf.systematic_resample(u, all_log_w))
-    params, batch_stats, opt_state = pf.exchange(particle, src, PARTICLE, dp)
+    params, *rest = pf.exchange(particle, src, PARTICLE, dp)
     if spec.jitter:
       params = _jitter(params, src, jax.random.fold_in(step_key, 1), spec.jitter, log_w.shape[0])
     uniform = jnp.full_like(log_w, -jnp.log(num_particles))
-    return (params, batch_stats, opt_state), uniform, src
+    return (params, *rest), uniform, src
 
   def local_step(state: ParticleState, batch):
     step_key = jax.random.fold_in(state.rng, state.step)
@@ -139,11 +140,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     all_log_w = pf.normalize(table[:, 0])
     log_w = lax.dynamic_slice_in_dim(all_log_w, lax.axis_index(PARTICLE) * num_local, num_local)
     weights = jnp.exp(log_w)
-    # 3. Weighted global correction.
-    directions = correction.correct(grads, weights, spec.correction, PARTICLE)
+    # 3. Weighted global correction (optionally compressed, with error feedback).
+    residual = state.residual
+    if spec.compress and dp > 1:
+      consensus, residual = compression.compressed_consensus(grads, weights, residual, PARTICLE, dp)
+      directions = correction.mix(grads, consensus, spec.correction)
+    else:
+      directions = correction.correct(grads, weights, spec.correction, PARTICLE)
     # 4. Per-particle optimizer update.
     updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
-    particle = (optax.apply_updates(state.params, updates), batch_stats, opt_state)
+    particle = (optax.apply_updates(state.params, updates), batch_stats, opt_state, residual)
     # Shared parameters: one update with the weighted consensus gradient (lambda = 1 for them).
     shared_updates, shared_opt_state = tx.update(correction.weighted_sum(shared_grads, weights, PARTICLE),
                                                  state.shared_opt_state, state.shared_params)
@@ -159,8 +165,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
       particle, new_log_w, src = lax.cond(resampled, lambda p, w: resample(step_key, p, w, all_log_w),
                                           lambda p, w: (p, w, src), particle, log_w)
     ok = num_alive > 0  # nothing finite: skip the update (DDP's skipped step)
-    params, batch_stats, opt_state = particle
-    updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, log_weights=new_log_w,
+    params, batch_stats, opt_state, residual = particle
+    updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
+                            log_weights=new_log_w,
                             num_resamples=state.num_resamples + resampled.astype(jnp.int32),
                             shared_params=shared_params, shared_opt_state=shared_opt_state)
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)

@@ -153,7 +153,7 @@ class _Run:
     self.tx = optim.create_optimizer(config, self.lr_fn)
     self.abstract_state, self.init_state = state_lib.train_state_init(
         jax.random.PRNGKey(config.seed), self.model, self.tx, self.dataset.image_shape, spec.num_particles,
-        self.mesh, shared_init=spec.shared_init, shared_pattern=config.shared_params)
+        self.mesh, shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress)
     self.eval_step = step_lib.make_eval_step(self.model, self.mesh, config.particle_loop)
     self.fuse = step_lib.make_fuse_fn(self.mesh)
 

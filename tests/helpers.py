@@ -65,7 +65,7 @@ class Setup:
     self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
     self.state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), self.model, self.tx, (8, 8, 1),
                                               config.num_particles, self.mesh, self.spec.shared_init,
-                                              config.shared_params)
+                                              config.shared_params, self.spec.compress)
     self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh,
                                                particle_loop=config.particle_loop)
 

@@ -33,13 +33,8 @@ class ResNetBlock(nn.Module):
     return self.act(residual + y)
 
 
-class BottleneckResNetBlock(nn.Module):
-  """Bottleneck block 1x1 -> 3x3 (strided, v1.5) -> 1x1 x4 (ResNet-50/101/152)."""
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  act: Callable
-  strides: tuple[int, int] = (1, 1)
+class BottleneckResNetBlock(ResNetBlock):
+  """Bottleneck block 1x1 -> 3x3 (strided, v1.5) -> 1x1 x4 (ResNet-50/101/152); same fields."""
 
   @nn.compact
   def __call__(self, x):

@@ -1,0 +1,66 @@
+"""The embedded digits data, its harder variant, batch order and the prefetch thread."""
+import numpy as np
+import pytest
+
+from ipf_jax.data import layout
+from tests import helpers
+
+
+def test_digits_split_is_fixed_and_real():
+  data = helpers.digits_data()
+  assert data.train_images.shape == (1347, 8, 8, 1) and data.test_images.shape == (450, 8, 8, 1)
+  assert data.train_images.min() == 0.0 and data.train_images.max() == 1.0
+  from sklearn.datasets import load_digits
+  full = load_digits()
+  expected = 0.25 * np.bincount(full.target)
+  assert np.all(np.abs(np.bincount(data.test_labels) - expected) <= 1), "stratified 75/25 split"
+  x = full.images.reshape(-1, 64) / 16.0
+  rows = {r.tobytes() for r in x.astype(np.float32)}
+  assert all(img.reshape(-1).tobytes() in rows for img in data.test_images[:20])
+
+
+def test_batch_order_depends_only_on_seed_and_step():
+  data = helpers.digits_data()
+  per_epoch = data.steps_per_epoch(128)
+  assert per_epoch == 1347 // 128
+  a = data.train_batch(per_epoch + 3, 128, seed=5)
+  b = next(data.train_batches(per_epoch + 3, 128, seed=5))
+  np.testing.assert_array_equal(a["label"], b["label"])
+  epoch0 = np.concatenate([data.train_batch(k, 128, 5)["label"] for k in range(per_epoch)])
+  assert len(epoch0) == per_epoch * 128
+  seen = np.concatenate([np.nonzero((data.train_images.reshape(1347, -1) ==
+                                     img.reshape(1, -1)).all(1))[0][:1]
+                         for k in range(2) for img in data.train_batch(k, 128, 5)["image"]])
+  assert len(set(seen.tolist())) == 256, "no example twice within an epoch"
+
+
+def test_harder_variant_subset_and_symmetric_noise():
+  data = helpers.digits_data()
+  hard = data.harder(0.2, 0.2)
+  n = round(0.2 * 1347)
+  assert len(hard.train_labels) == n and hard.test_images is data.test_images
+  # recover each kept image's clean label from the original split
+  index = {img.tobytes(): i for i, img in enumerate(data.train_images)}
+  clean = np.array([data.train_labels[index[img.tobytes()]] for img in hard.train_images])
+  flipped = clean != hard.train_labels
+  assert abs(flipped.mean() - 0.2) < 0.06 and flipped.any()
+  again = data.harder(0.2, 0.2)
+  np.testing.assert_array_equal(again.train_labels, hard.train_labels)
+
+
+def test_prefetch_passes_batches_and_errors():
+  out = list(layout.prefetch(iter(range(5)), lambda b: b * 10))
+  assert out == [0, 10, 20, 30, 40]
+
+  def broken():
+    yield 1
+    raise ValueError("bad record")
+
+  got = []
+  with pytest.raises(ValueError, match="bad record"):
+    for b in layout.prefetch(broken(), lambda b: b):
+      got.append(b)
+  assert got == [1]
+  gen = layout.prefetch(iter(range(10 ** 9)), lambda b: b)  # endless input, consumer stops early
+  assert next(gen) == 0
+  gen.close()
