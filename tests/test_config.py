@@ -31,6 +31,39 @@ def cfg(**kw):
     (dict(particle_axis_size=3), 8, "particle_axis_size", "divisor of 8"),
     (dict(num_train_steps=0), 8, "num_train_steps", ">= 1"),
     (dict(eval_batch_size=3, num_particles=1, global_batch_size=64), 8, "eval_batch_size", "multiple of the 8"),
+    (dict(keep_checkpoints=0), 8, "keep_checkpoints", ">= 1"),
+    (dict(checkpoint_every_steps=-2), 8, "checkpoint_every_steps", "-1 (never)"),
+    (dict(log_every_steps=0), 8, "log_every_steps", ">= 1"),
+    (dict(eval_every_steps=-1), 8, "eval_every_steps", ">= 0"),
+    (dict(base_lr=0.0), 8, "base_lr", "> 0"),
+    (dict(momentum=1.0), 8, "momentum", "[0, 1)"),
+    (dict(weight_decay=-1e-4), 8, "weight_decay", ">= 0"),
+    (dict(grad_clip_norm=-1.0), 8, "grad_clip_norm", ">= 0"),
+    (dict(jitter=-0.1), 8, "jitter", ">= 0"),
+    (dict(resample_every=-1), 8, "resample_every", ">= 0"),
+    (dict(warmup_steps=-1), 8, "warmup_steps", ">= 0"),
+    (dict(reference_batch_size=0), 8, "reference_batch_size", ">= 1"),
+    (dict(bn_momentum=1.0), 8, "bn_momentum", "[0, 1)"),
+    (dict(cnn_features=()), 8, "cnn_features", "non-empty"),
+    (dict(num_epochs=-1.0), 8, "num_epochs", ">= 0"),
+    (dict(warmup_epochs=-1.0), 8, "warmup_epochs", ">= 0"),
+    (dict(label_smoothing=1.0), 8, "label_smoothing", "[0, 1)"),
+    (dict(grad_accum_steps=0), 8, "grad_accum_steps", ">= 1"),
+    (dict(image_size=4), 8, "image_size", ">= 8"),
+    (dict(shuffle_buffer=0), 8, "shuffle_buffer", ">= 1"),
+    (dict(train_fraction=0.0), 8, "train_fraction", "(0, 1]"),
+    (dict(label_noise=1.0), 8, "label_noise", "[0, 1)"),
+    (dict(dataset="cifar10", label_noise=0.1), 8, "train_fraction", "digits dataset only"),
+    (dict(dataset="mnist"), 8, "dataset", "digits, imagenet2012"),
+    (dict(model="vgg16"), 8, "model", "cnn, resnet18"),
+    (dict(dtype="float16"), 8, "dtype", "float32, bfloat16"),
+    (dict(particle_loop="scan"), 8, "particle_loop", "vmap, map, unroll"),
+    (dict(shared_params="(conv"), 8, "shared_params", "not a valid regular expression"),
+    (dict(num_cpu_devices=-1), 8, "num_cpu_devices", ">= 0"),
+    (dict(num_devices=-1), 8, "num_devices", ">= 0"),
+    (dict(particle_axis_size=-1), 8, "particle_axis_size", ">= 0"),
+    (dict(global_batch_size=0), 8, "global_batch_size", ">= 1"),
+    (dict(num_particles=0), 8, "num_particles", ">= 1"),
 ])
 def test_bad_config_names_field_and_fix(overrides, devices, field, hint):
   with pytest.raises(ConfigError) as e:
@@ -38,6 +71,18 @@ def test_bad_config_names_field_and_fix(overrides, devices, field, hint):
   assert e.value.field == field
   assert str(e.value).startswith(f"config.{field}:")
   assert hint in str(e.value)
+
+
+def test_every_default_config_is_valid():
+  from configs import cifar10_r18, cifar100_r18, imagenet_r50
+  for module in (default, digits, imagenet_r50, cifar10_r18, cifar100_r18):
+    configuration.validate(module.get_config(), 8)
+
+
+def test_config_types_are_locked_by_ml_collections():
+  c = digits.get_config()
+  with pytest.raises(TypeError):
+    c.num_particles = "eight"
 
 
 @pytest.mark.parametrize("p,devices,expect", [(8, 8, (8, 1)), (1, 8, (1, 8)), (4, 8, (4, 2)), (16, 8, (8, 1)),
