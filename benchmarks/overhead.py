@@ -178,6 +178,25 @@ def main():
   print(f"\n5. Input: digits host batches {input_rate:,.0f} images/s vs train step {train_rate:,.0f} images/s")
   summary.update(input_images_per_s=input_rate, train_images_per_s=train_rate,
                  input_over_train=input_rate / train_rate)
+
+  # 6. TFDS pipeline (tf.data on mock CIFAR-10, 32x32 crops) vs the resnet_tiny step at 32x32.
+  import tensorflow_datasets as tfds
+  from ipf_jax.data import tfds_input
+  g = 8 * 16
+  with tfds.testing.mock_data(num_examples=4096):
+    ds = tfds_input.TFDSDataset("cifar10", None, image_size=32, shuffle_buffer=1024, small_images=True)
+    it = ds.train_batches(0, g, seed=0)
+    next(it)
+    t0 = time.perf_counter()
+    for _ in range(20):
+      next(it)
+    tfds_rate = 20 * g / (time.perf_counter() - t0)
+  tiny = argparse.Namespace(**{**vars(args), "model": "resnet_tiny", "image_size": 32})
+  tiny_time = measure({"ipf": Timed(config_for(tiny, global_batch_size=g), tiny)}, args.repeats, 2)["ipf"]
+  print(f"6. Input: TFDS mock cifar10 pipeline {tfds_rate:,.0f} images/s vs resnet_tiny 32x32 train step "
+        f"{g / tiny_time:,.0f} images/s")
+  summary.update(tfds_input_images_per_s=tfds_rate, tiny_train_images_per_s=g / tiny_time,
+                 tfds_input_over_train=tfds_rate * tiny_time / g)
   print_summary(summary)
 
 

@@ -42,3 +42,9 @@ def finalize(sums) -> dict:
   gap = np.abs(bins[..., 2] - bins[..., 1])  # |sum correct - sum conf| = n_b |acc_b - conf_b|
   return {"accuracy": sums["correct"] / count, "nll": sums["nll"] / count,
           "ece": gap.sum(-1) / np.maximum(n_b.sum(-1), 1)}
+
+
+def weighted_train_loss(m: dict) -> float:
+  """``sum_i w_i loss_i`` over the finite particles of one train step's host metrics."""
+  w = np.exp(m["log_weights"])
+  return float(np.sum(np.where(m["alive"] > 0, w * np.nan_to_num(m["loss"]), 0.0)))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ipf_jax import metrics as metrics_lib
+
 
 class SummaryWriter:
   """Writes nothing on processes other than 0."""
@@ -36,7 +38,7 @@ class SummaryWriter:
       return
     w = np.exp(m["log_weights"])
     alive = m["alive"] > 0
-    values = {"train/loss": np.sum(np.where(alive, w * np.nan_to_num(m["loss"]), 0.0)), "train/lr": lr,
+    values = {"train/loss": metrics_lib.weighted_train_loss(m), "train/lr": lr,
               "train/ess": m["ess"], "train/max_weight": w.max(), "train/num_alive": m["num_alive"],
               "train/grad_norm": np.mean(m["grad_norm"][alive]) if alive.any() else np.nan,
               "resample/event": float(m["resampled"])}

@@ -69,11 +69,21 @@ def _fmt_time(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def one_program_at_a_time(x):
+  """On the CPU, waits for ``x``: XLA:CPU runs the collectives of several devices on one shared
+  thread pool, and with more than one collective program in flight (async dispatch) waiting
+  participants can hold every thread, so a rendezvous never completes (seen here as
+  "Termination timeout for all reduce ... Expected 8 threads"). GPUs and TPUs keep async dispatch."""
+  if jax.default_backend() == "cpu" and jax.device_count() > 1:
+    jax.block_until_ready(x)
+  return x
+
+
 def evaluate(eval_step, state, dataset, batch_size: int, mesh) -> dict:
   """Every test example exactly once (padded last batch, masked)."""
   total = None
   for batch in dataset.eval_batches(batch_size):
-    sums = eval_step(state, layout.put_eval_batch(batch, mesh))
+    sums = one_program_at_a_time(eval_step(state, layout.put_eval_batch(batch, mesh)))
     weights = sums.pop("weights")
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
   results = {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
@@ -231,7 +241,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
     batch = next(batches)
     if step_hook is not None:
       state, batch = step_hook(step, state, batch)
-    state, m = train_step(state, batch)
+    state, m = one_program_at_a_time(train_step(state, batch))
     pending.append(m)
     done = step + 1
     if done % config.log_every_steps == 0 or done == total:
@@ -250,7 +260,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
                             "train/diversity": float(np.nanmean(distances)),
                             **{f"particle/diversity/{i}": d for i, d in enumerate(distances)}})
       w = np.exp(m["log_weights"])
-      loss = float(np.sum(np.where(m["alive"] > 0, w * np.nan_to_num(m["loss"]), 0.0)))
+      loss = metrics_lib.weighted_train_loss(m)
       eta = (total - done) / rate if done > start + 1 else float("nan")
       log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s  "
                "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, done / run.steps_per_epoch, loss,
