@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: build a train step from a config, synthetic batches, timing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -22,12 +23,14 @@ from ipf_jax.models import create_model
 class Bench:
   """Model, mesh, abstract state and the jitted train step of ``config`` on this host's devices."""
 
-  def __init__(self, config, image_shape, num_classes):
+  def __init__(self, config, image_shape, num_classes, spec_changes=None):
     dp, dd = configuration.validate(config, jax.device_count())
     devices = jax.devices()[:config.num_devices or jax.device_count()]
     self.config = config
     self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
     self.spec = configuration.particle_spec(config)
+    if spec_changes:  # e.g. {"resampling": False}: isolate one part of the step
+      self.spec = dataclasses.replace(self.spec, **spec_changes)
     self.model = create_model(config, num_classes, bn_axis_name=mesh_lib.DATA)
     total, warmup = optim.train_steps(config, steps_per_epoch=1)
     self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))

@@ -52,8 +52,8 @@ def image_shape(args):
 class Timed:
   """A compiled train step with its state and one fixed batch."""
 
-  def __init__(self, config, args):
-    self.bench = Bench(config, image_shape(args), 10)
+  def __init__(self, config, args, spec_changes=None):
+    self.bench = Bench(config, image_shape(args), 10, spec_changes)
     self.state = self.bench.init()
     self.batch = self.bench.synthetic_batch()
 
@@ -126,6 +126,8 @@ def main():
               "ipf (no resample)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0), args),
               "ipf lambda=0 (no resample)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
                                                              correction=0.0), args),
+              "ipf lambda=0, no resampling branch": Timed(
+                  config_for(args, mode="ipf", num_particles=p, correction=0.0), args, {"resampling": False}),
               "ipf (resample every step)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
                                                             resample_every=1), args)}
   t = measure(variants, args.repeats, args.rounds)

@@ -58,7 +58,8 @@ def get_config():
                                        # "^(conv_init|bn_init|stage1_)" (stem + first stage); "" = none
   config.init = "auto"                 # auto | shared | independent: one init for all particles (fusion needs it)
                                        # or one per particle (deep ensemble); auto = independent in ensemble mode
-  config.temperature = 1.0             # tau >= 0: log w <- rho log w - tau loss
+  config.temperature = 10.0            # tau >= 0: log w <- rho log w - tau loss (10: best fused model and NLL
+                                       # in the digits study, BENCHMARKS.md)
   config.forgetting = 0.9              # rho in (0, 1]: memory of past losses in the weights
   config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
   config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P

@@ -16,6 +16,5 @@ def get_config():
   config.num_particles = 8
   config.global_batch_size = 128
   config.num_train_steps = 300
-  config.temperature = 10.0            # digits losses are small and close: tau=10 makes the ESS drop and resample
   config.num_cpu_devices = 8           # show the real particle mesh on a CPU-only machine
   return config
