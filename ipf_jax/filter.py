@@ -1,8 +1,9 @@
 """Importance weights, ESS, systematic resampling and the particle exchange.
 
-Pure functions. Those that take ``axis_name`` run inside ``shard_map`` on the
-local shard ``[L]`` of the particle axis and reduce over the named mesh axis;
-with ``axis_name=None`` they treat their input as all ``P`` particles.
+Pure functions. The weight math works on all ``P`` particles' values, which the
+train step gathers once per step (``gather_all``); ``exchange`` and
+``gather_all`` run inside ``shard_map`` on the local ``[L]`` block of the
+particle axis and communicate over the named mesh axis.
 """
 from __future__ import annotations
 
@@ -27,36 +28,26 @@ def update_log_weights(log_w, loss, alive, temperature: float, forgetting: float
   return jnp.where(alive, new, -jnp.inf)
 
 
-def _global_max(x, axis_name):
-  m = jnp.max(x)
-  return m if axis_name is None else lax.pmax(m, axis_name)
-
-
-def _global_sum(x, axis_name):
-  s = jnp.sum(x)
-  return s if axis_name is None else lax.psum(s, axis_name)
-
-
-def logsumexp(log_w, axis_name: Optional[str] = None):
-  """Global ``log sum_i exp(log_w_i)`` over all particles; ``-inf`` if all are ``-inf``."""
-  m = _global_max(log_w, axis_name)
+def logsumexp(log_w):
+  """``log sum_i exp(log_w_i)`` over all ``P`` particles; ``-inf`` if all are ``-inf``."""
+  m = jnp.max(log_w)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf: avoid (-inf) - (-inf)
-  return m_safe + jnp.log(_global_sum(jnp.exp(log_w - m_safe), axis_name))
+  return m_safe + jnp.log(jnp.sum(jnp.exp(log_w - m_safe)))
 
 
-def normalize(log_w, axis_name: Optional[str] = None):
-  """``log_w - logsumexp(log_w)`` so that ``sum_i w_i = 1``.
+def normalize(log_w):
+  """``log_w - logsumexp(log_w)`` over all ``P`` particles, so that ``sum_i w_i = 1``.
 
-  If every particle is ``-inf`` the input is returned unchanged (the caller
-  sees ``num_alive == 0`` and skips the step).
+  If every particle is ``-inf`` the input is returned unchanged (the step
+  sees ``num_alive == 0`` and skips the update).
   """
-  lse = logsumexp(log_w, axis_name)
+  lse = logsumexp(log_w)
   return jnp.where(jnp.isfinite(lse), log_w - lse, log_w)
 
 
-def ess(log_w, axis_name: Optional[str] = None):
-  """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights."""
-  return jnp.exp(-logsumexp(2.0 * log_w, axis_name))
+def ess(log_w):
+  """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights ``[P]``."""
+  return jnp.exp(-logsumexp(2.0 * log_w))
 
 
 def gather_all(x, axis_name: str):

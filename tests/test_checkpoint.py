@@ -12,7 +12,6 @@ import pytest
 from configs import digits
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
-from ipf_jax import mesh as mesh_lib
 from ipf_jax import state as state_lib
 from tests import helpers
 

@@ -68,7 +68,8 @@ def _sharded(mesh, x, spec):
 
 @pytest.mark.parametrize("dp,dd", MESH_SHAPES)
 @pytest.mark.parametrize("per_device", [1, 2, 4])
-def test_normalize_and_ess_over_the_mesh(dp, dd, per_device):
+def test_gathered_weights_normalize_and_ess(dp, dd, per_device):
+  """Each device's [L] block gathered to the same [P] vector everywhere, then normalised, as in the step."""
   p = dp * per_device
   mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
   rng = np.random.default_rng(p + dd)
@@ -77,16 +78,22 @@ def test_normalize_and_ess_over_the_mesh(dp, dd, per_device):
     log_w[1] = -np.inf  # culled particle
 
   def local(lw):
-    n = pf.normalize(lw, mesh_lib.PARTICLE)
-    return n, pf.ess(n, mesh_lib.PARTICLE), pf.gather_all(n, mesh_lib.PARTICLE)
+    gathered = pf.gather_all(lw, mesh_lib.PARTICLE)
+    n = pf.normalize(gathered)
+    return gathered, n, pf.ess(n)
 
-  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("particle"), out_specs=(P("particle"), P(), P())))
-  n, e, gathered = jax.device_get(fn(_sharded(mesh, log_w, P("particle"))))
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("particle"), out_specs=(P(), P(), P())))
+  gathered, n, e = jax.device_get(fn(_sharded(mesh, log_w, P("particle"))))
+  np.testing.assert_array_equal(gathered, log_w)
   expect = log_w - reference.logsumexp(log_w)
   np.testing.assert_allclose(n, expect, rtol=1e-5, atol=1e-5)
   assert abs(reference.logsumexp(n)) < 1e-5
   np.testing.assert_allclose(e, 1 / np.sum(np.exp(expect.astype(np.float64)) ** 2), rtol=1e-5)
-  np.testing.assert_array_equal(gathered, n)
+
+
+def test_all_culled_weights_stay_as_they_are():
+  out = np.asarray(pf.normalize(jnp.full((4,), -jnp.inf)))
+  assert np.all(out == -np.inf)
 
 
 def test_update_log_weights():
