@@ -31,3 +31,12 @@ def test_train_py_bad_config_is_one_clear_error(tmp_path):
   assert r.returncode != 0
   assert "error: config.global_batch_size: 128 is not divisible by num_particles x data devices" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_default_workdir_parent_ships_with_the_repo():
+  """`python train.py` (default --workdir runs/digits) works in a fresh clone: runs/ is tracked."""
+  import os
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  tracked = subprocess.run(["git", "ls-files", "runs"], cwd=root, capture_output=True, text=True).stdout.split()
+  assert "runs/.gitkeep" in tracked
