@@ -7,7 +7,6 @@ particle axis and communicate over the named mesh axis.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +106,7 @@ def assign_slots(ancestors):
   return jnp.where(freed, extras[jnp.clip(rank, 0, num - 1)], jnp.arange(num, dtype=jnp.int32))
 
 
-def exchange(tree, src, axis_name: Optional[str], axis_size: int):
+def exchange(tree, src, axis_name: str, axis_size: int):
   """``new[n] = old[src[n]]`` for every per-particle leaf, across devices.
 
   Runs inside ``shard_map``: each leaf is the local block ``[L, ...]`` of the
@@ -120,7 +119,7 @@ def exchange(tree, src, axis_name: Optional[str], axis_size: int):
   The send/receive buffers hold ``axis_size * L = P`` particles per leaf per
   device: static shapes, whatever the ancestors.
   """
-  if axis_name is None or axis_size == 1:
+  if axis_size == 1:
     return jax.tree.map(lambda x: x[src], tree)
   leaves = jax.tree.leaves(tree)
   if not leaves:

@@ -208,8 +208,7 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, particle_loop: str
     per_particle = jax.vmap(metrics_lib.classification_sums, in_axes=(0, None, None))(probs, label, mask)
     ensemble = correction.weighted_sum(probs, w, PARTICLE)
     uniform = correction.weighted_sum(probs, alive, PARTICLE) / lax.psum(alive.sum(), PARTICLE)
-    fused_params = correction.fuse(state.params, w, PARTICLE)
-    fused_stats = correction.fuse(state.batch_stats, w, PARTICLE)
+    fused_params, fused_stats = _fused(state)
     sums = {"particles": jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
             "ensemble": metrics_lib.classification_sums(ensemble, label, mask),
             "ensemble_uniform": metrics_lib.classification_sums(uniform, label, mask),
@@ -218,6 +217,12 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, particle_loop: str
 
   sharded = jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC), out_specs=P())
   return jax.jit(sharded)
+
+
+def _fused(state: ParticleState):
+  """``(sum_i w_i theta_i, sum_i w_i beta_i)`` of the per-particle parameters and BatchNorm statistics."""
+  w = jnp.exp(state.log_weights)
+  return correction.fuse(state.params, w, PARTICLE), correction.fuse(state.batch_stats, w, PARTICLE)
 
 
 def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
@@ -229,12 +234,10 @@ def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
   """
 
   def local(state: ParticleState):
-    w = jnp.exp(state.log_weights)
-    fused = correction.fuse(state.params, w, PARTICLE)
+    fused, fused_stats = _fused(state)
     sq = sum(jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
              for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused)))
-    variables = {"params": sharing.merge(fused, state.shared_params),
-                 "batch_stats": correction.fuse(state.batch_stats, w, PARTICLE)}
+    variables = {"params": sharing.merge(fused, state.shared_params), "batch_stats": fused_stats}
     return variables, pf.gather_all(jnp.sqrt(sq), PARTICLE)
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(),), out_specs=(P(), P())))
