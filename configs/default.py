@@ -35,7 +35,10 @@ def get_config():
   config.cnn_features = (32, 64, 128)  # channels of the cnn's conv stages
   config.small_inputs = False          # resnets: 3x3 stem without max-pool, for 32x32 images
   config.remat = False                 # resnets: recompute each block in the backward pass (less memory)
-  config.dtype = "float32"             # compute dtype: float32 | bfloat16 (params and optimizer stay float32)
+  config.dtype = "float32"             # compute dtype: float32 | bfloat16 | float16 (params and optimizer stay
+                                       # float32; float16, for GPUs without bfloat16, uses dynamic loss scaling)
+  config.loss_scale_init = 65536.0     # float16: initial loss scale (a power of 2)
+  config.loss_scale_growth_interval = 2000  # float16: double the loss scale after this many finite steps
   config.bn_momentum = 0.9             # BatchNorm running-average momentum
 
   # --- optimiser -------------------------------------------------------------

@@ -11,7 +11,8 @@ ImageNet-capable machine yet): a single ResNet-50 with this recipe reaches
 about 76.2-76.7% top-1; a deep ensemble of 4 about 77.9% top-1, NLL 0.857,
 ECE 0.017. On 8 GPUs each particle trains on its own GPU (mesh (8, 1)) with
 128 images per step; with 8 x bf16 particles expect roughly DDP's images/s
-(see BENCHMARKS.md for what was measured).
+(see BENCHMARKS.md for what was measured). GPUs without bfloat16 (V100, T4):
+add --config.dtype=float16 (float16 compute with dynamic loss scaling).
 """
 from configs import default
 
@@ -21,7 +22,7 @@ def get_config():
   config.dataset = "imagenet2012"
   config.image_size = 224
   config.model = "resnet50"
-  config.dtype = "bfloat16"
+  config.dtype = "bfloat16"              # float16 (with dynamic loss scaling) on GPUs without bf16
   config.num_particles = 8
   config.global_batch_size = 1024        # 8 particles x 128
   config.eval_batch_size = 1000          # 50,000 validation images, last batch padded and masked

@@ -48,6 +48,12 @@ def check_compatible(saved: dict, config: ml_collections.ConfigDict, where: str)
           f"the checkpoint in {where} was written with config.{field}={saved.get(field)!r}, this run has "
           f"config.{field}={current.get(field)!r}. Resume with --config.{field}={saved.get(field)!r}, or use a new "
           "--workdir to start a fresh run.")
+  if (saved.get("dtype") == "float16") != (current.get("dtype") == "float16"):
+    raise CheckpointError(
+        f"the checkpoint in {where} was written with config.dtype={saved.get('dtype')!r}, this run has "
+        f"config.dtype={current.get('dtype')!r}: float16 keeps a loss scale in the state and the other dtypes do "
+        f"not. Resume with --config.dtype={saved.get('dtype')!r}, or use a new --workdir. (float32 and bfloat16 "
+        "can be swapped on resume.)")
   for field in OPTIMIZER_SWITCHES:
     if bool(saved.get(field)) != bool(current.get(field)):
       raise CheckpointError(

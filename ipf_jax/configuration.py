@@ -15,7 +15,7 @@ from ipf_jax import mesh as mesh_lib
 
 MODES = ("ddp", "ensemble", "ipf")
 LR_SCALING = ("none", "linear", "sqrt")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 INITS = ("auto", "shared", "independent")
 PARTICLE_LOOPS = ("vmap", "map", "unroll")
 
@@ -128,6 +128,12 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {config.warmup_steps}")
   _check(0 <= config.momentum < 1, "momentum", f"must be in [0, 1), got {config.momentum}")
   _check(config.weight_decay >= 0, "weight_decay", f"must be >= 0, got {config.weight_decay}")
+  scale = config.loss_scale_init
+  _check(scale >= 1 and math.log2(scale).is_integer(), "loss_scale_init",
+         f"must be a power of 2 >= 1 (e.g. 65536.0), got {scale}")
+  interval = config.loss_scale_growth_interval
+  _check(isinstance(interval, int) and interval >= 1, "loss_scale_growth_interval",
+         f"must be an integer >= 1 (e.g. 2000), got {interval!r}")
   _check(config.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {config.grad_clip_norm}")
 
   n = config.num_devices or available_devices

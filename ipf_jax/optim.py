@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
+from flax.training import dynamic_scale
 
 
 def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int) -> float:
@@ -52,3 +54,19 @@ def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -
   if config.grad_accum_steps > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=config.grad_accum_steps)
   return tx
+
+
+def create_dynamic_scale(config: ml_collections.ConfigDict) -> dynamic_scale.DynamicScale | None:
+  """Dynamic loss scaling for ``dtype="float16"`` (flax's ``DynamicScale``), else ``None``.
+
+  The loss is multiplied by ``scale`` before the backward pass so that small
+  float16 gradients do not flush to zero; a step whose gradients overflow is
+  skipped and ``scale`` halved, and after ``loss_scale_growth_interval`` finite
+  steps it doubles. The scale never goes below 1: a particle whose gradient
+  still overflows at scale 1 has diverged and is culled as in float32.
+  """
+  if config.dtype != "float16":
+    return None
+  return dynamic_scale.DynamicScale(growth_interval=int(config.loss_scale_growth_interval),
+                                    fin_steps=jnp.zeros((), jnp.int32),
+                                    scale=jnp.asarray(config.loss_scale_init, jnp.float32), minimum_scale=1.0)

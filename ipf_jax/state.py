@@ -32,6 +32,8 @@ class ParticleState:
     shared_params: parameters shared by all particles, stored once (``{}`` without sharing).
     shared_opt_state: their optimizer state.
     residual: ``[P, N]`` error-feedback residuals of the compressed correction (None without).
+    dynamic_scale: float16's loss scale, one for all particles (flax ``DynamicScale``; None otherwise).
+    num_overflows: scalar int32, float16 steps skipped because a gradient overflowed (None otherwise).
   """
   params: Any
   batch_stats: Any
@@ -44,6 +46,8 @@ class ParticleState:
   shared_params: Any = None
   shared_opt_state: Any = None
   residual: Any = None
+  dynamic_scale: Any = None
+  num_overflows: Any = None
 
 
 def state_specs() -> ParticleState:
@@ -51,7 +55,7 @@ def state_specs() -> ParticleState:
   per = P(PARTICLE)
   return ParticleState(params=per, batch_stats=per, opt_state=per, log_weights=per, residual=per,
                        step=P(), rng=P(), num_resamples=P(), num_skipped=P(), shared_params=P(),
-                       shared_opt_state=P())
+                       shared_opt_state=P(), dynamic_scale=P(), num_overflows=P())
 
 
 def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> ParticleState:
@@ -64,7 +68,7 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
 def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
                      input_shape: tuple[int, ...], num_particles: int,
                      mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = "",
-                     compress: bool = False):
+                     compress: bool = False, dynamic_scale=None):
   """The sharded abstract state (for restoring) and a jitted function that initialises it.
 
   Args:
@@ -77,6 +81,7 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
     shared_pattern: regex of parameter paths shared by all particles
       (``sharing.split``); they start from particle 0's init.
     compress: allocate error-feedback residuals for the compressed correction.
+    dynamic_scale: the initial loss scale for float16 (``optim.create_dynamic_scale``) or None.
   Returns:
     ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
     ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
@@ -100,7 +105,9 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
                          shared_params=shared, shared_opt_state=tx.init(shared),
                          log_weights=jnp.full((num_particles,), -jnp.log(num_particles), jnp.float32),
                          step=jnp.zeros((), jnp.int32), rng=run_rng,
-                         num_resamples=jnp.zeros((), jnp.int32), num_skipped=jnp.zeros((), jnp.int32))
+                         num_resamples=jnp.zeros((), jnp.int32), num_skipped=jnp.zeros((), jnp.int32),
+                         dynamic_scale=dynamic_scale,
+                         num_overflows=None if dynamic_scale is None else jnp.zeros((), jnp.int32))
 
   shape = jax.eval_shape(init_all)
   shardings = state_shardings(mesh, shape)

@@ -124,11 +124,21 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     step_key = jax.random.fold_in(state.rng, state.step)
     # 1. Local gradients, one particle at a time (vmapped), averaged over "data". Shared
     #    parameters are marked device-varying so that each particle gets its own gradient.
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    #    float16: flax's DynamicScale scales the loss and unscales the gradients; each particle
+    #    proposes the next scale, and one decision for all is taken from the gathered table below.
+    ds = state.dynamic_scale
+
+    def grad_fn(*args):
+      if ds is None:
+        return (*jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(*args), None)
+      proposed, _, aux, grads = ds.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(*args)
+      return aux, grads, proposed
+
     shared = jax.tree.map(lambda x: lax.pcast(x, (PARTICLE,), to="varying"), state.shared_params)
-    (loss, batch_stats), (grads, shared_grads) = over_particles(grad_fn, particle_loop, (0, None, 0, 0, 0))(
+    (loss, batch_stats), (grads, shared_grads), proposed = over_particles(grad_fn, particle_loop, (0, None, 0, 0, 0))(
         state.params, shared, state.batch_stats, batch["image"], batch["label"])
-    alive = jnp.isfinite(loss) & _all_finite((grads, shared_grads))
+    loss_finite = jnp.isfinite(loss)
+    alive = loss_finite & _all_finite((grads, shared_grads))
     # No NaN leaves a culled particle.
     grads, shared_grads = jax.tree.map(lambda g: jnp.where(_per_particle(alive, g), g, 0), (grads, shared_grads))
     # 2. Importance weights. The per-particle numbers of all particles travel in one psum;
@@ -136,7 +146,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
     num_local = loss.shape[0]
     raw_log_w = pf.update_log_weights(state.log_weights, loss, alive, spec.temperature, spec.forgetting)
     grad_norm = jax.vmap(optax.tree.norm)((grads, shared_grads))
-    table = pf.gather_all(jnp.stack([raw_log_w, loss, alive.astype(loss.dtype), grad_norm], axis=1), PARTICLE)
+    columns = [raw_log_w, loss, alive.astype(loss.dtype), grad_norm]
+    if ds is not None:
+      # A finite loss with a non-finite gradient is an overflow. Particles whose loss is not
+      # finite have diverged: they are culled and take no part in the scale's decision.
+      columns += [(loss_finite & ~alive).astype(loss.dtype), jnp.where(loss_finite, proposed.scale, jnp.inf),
+                  jnp.where(loss_finite, proposed.fin_steps, jnp.inf), state.log_weights]
+    table = pf.gather_all(jnp.stack(columns, axis=1), PARTICLE)
     all_log_w = pf.normalize(table[:, 0])
     log_w = lax.dynamic_slice_in_dim(all_log_w, lax.axis_index(PARTICLE) * num_local, num_local)
     weights = jnp.exp(log_w)
@@ -164,17 +180,39 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
         resampled |= (state.step + 1) % spec.resample_every == 0
       particle, new_log_w, src = lax.cond(resampled, lambda p, w: resample(step_key, p, w, all_log_w),
                                           lambda p, w: (p, w, src), particle, log_w)
-    ok = num_alive > 0  # nothing finite: skip the update (DDP's skipped step)
+    # 6. Apply, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
+    overflow = jnp.zeros((), bool)
+    if ds is not None:
+      # Above the minimum scale, an overflow halves the scale and the step is retried on the next batch
+      # by every particle; at the minimum, a non-finite gradient is a divergence and culls as in float32.
+      overflow = (jnp.sum(table[:, 4]) > 0) & (ds.scale > ds.minimum_scale)
+    ok = (num_alive > 0) & ~overflow
     params, batch_stats, opt_state, residual = particle
     updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
                             log_weights=new_log_w,
                             num_resamples=state.num_resamples + resampled.astype(jnp.int32),
                             shared_params=shared_params, shared_opt_state=shared_opt_state)
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
-    new_state = new_state.replace(step=state.step + 1, num_skipped=state.num_skipped + (~ok).astype(jnp.int32))
+    new_state = new_state.replace(step=state.step + 1,
+                                  num_skipped=state.num_skipped + (~ok & ~overflow).astype(jnp.int32))
     metrics = {"loss": table[:, 1], "alive": table[:, 2].astype(jnp.int32), "grad_norm": table[:, 3],
-               "log_weights": all_log_w, "ess": ess, "resampled": resampled & ok, "ancestors": src,
+               "log_weights": all_log_w, "ess": ess, "resampled": resampled & ok,
+               "ancestors": jnp.where(resampled & ok, src, jnp.arange(num_particles, dtype=jnp.int32)),
                "num_alive": num_alive}
+    if ds is not None:
+      # Every proposal is the same when all gradients are finite, and a backed-off one otherwise:
+      # the smallest is the decision for all. No finite loss at all: the scale stays.
+      scale = jnp.min(table[:, 5])
+      decided = ds.replace(scale=scale, fin_steps=jnp.min(table[:, 6]).astype(jnp.int32))
+      new_state = new_state.replace(
+          dynamic_scale=jax.tree.map(lambda new, old: jnp.where(jnp.isfinite(scale), new, old), decided, ds),
+          num_overflows=state.num_overflows + overflow.astype(jnp.int32))
+      metrics.update(loss_scale=ds.scale, overflow=overflow)
+      # An overflow step culls nobody and keeps the weights: report them so, not the discarded update.
+      finite = (table[:, 2] + table[:, 4]) > 0
+      kept = {"log_weights": table[:, 7], "ess": pf.ess(table[:, 7]), "alive": finite.astype(jnp.int32),
+              "num_alive": jnp.sum(finite).astype(jnp.int32)}
+      metrics.update({k: jnp.where(overflow, v, metrics[k]) for k, v in kept.items()})
     return new_state, metrics
 
   specs = state_specs()

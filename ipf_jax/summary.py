@@ -5,6 +5,7 @@ Scalar tags (read back by ``ipf_jax.report``):
   train/grad_norm, train/images_per_s, train/diversity,
   particle/loss/<i>, particle/weight/<i>, particle/diversity/<i>,
   resample/event (1 at a step that resampled), resample/ancestor/<slot> (at those steps),
+  train/loss_scale, train/overflow (float16 only: the step's loss scale, 1 if its gradient overflowed),
   eval/<model>/<accuracy|nll|ece> with model = ensemble, ensemble_uniform, fused, particle_<i>.
 """
 from __future__ import annotations
@@ -42,6 +43,8 @@ class SummaryWriter:
               "train/ess": m["ess"], "train/max_weight": w.max(), "train/num_alive": m["num_alive"],
               "train/grad_norm": np.mean(m["grad_norm"][alive]) if alive.any() else np.nan,
               "resample/event": float(m["resampled"])}
+    if "loss_scale" in m:
+      values.update({"train/loss_scale": m["loss_scale"], "train/overflow": float(m["overflow"])})
     for i in range(len(w)):
       values[f"particle/loss/{i}"] = m["loss"][i]
       values[f"particle/weight/{i}"] = w[i]

@@ -163,7 +163,8 @@ class _Run:
     self.tx = optim.create_optimizer(config, self.lr_fn)
     self.abstract_state, self.init_state = state_lib.train_state_init(
         jax.random.PRNGKey(config.seed), self.model, self.tx, self.dataset.image_shape, spec.num_particles,
-        self.mesh, shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress)
+        self.mesh, shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress,
+        dynamic_scale=optim.create_dynamic_scale(config))
     self.eval_step = step_lib.make_eval_step(self.model, self.mesh, config.particle_loop)
     self.fuse = step_lib.make_fuse_fn(self.mesh)
 
@@ -262,10 +263,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
       w = np.exp(m["log_weights"])
       loss = metrics_lib.weighted_train_loss(m)
       eta = (total - done) / rate if done > start + 1 else float("nan")
-      log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s  "
+      scaling = ""
+      if state.dynamic_scale is not None:
+        scaling = f"  loss scale {float(state.dynamic_scale.scale):g} (overflows {int(state.num_overflows)})"
+      log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
                "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, done / run.steps_per_epoch, loss,
                float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
-               spec.num_particles, f"  skipped {skipped}" if skipped else "", float(np.nanmean(distances)),
+               spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
                float(run.lr_fn(done // config.grad_accum_steps)), rate, _fmt_time(eta))
       t_last, last_step = now, done
     if ckpt and (done == total or (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0)):

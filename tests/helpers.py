@@ -65,7 +65,8 @@ class Setup:
     self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
     self.state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), self.model, self.tx, (8, 8, 1),
                                               config.num_particles, self.mesh, self.spec.shared_init,
-                                              config.shared_params, self.spec.compress)
+                                              config.shared_params, self.spec.compress,
+                                              optim.create_dynamic_scale(config))
     step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh, particle_loop=config.particle_loop)
     # One collective program in flight at a time on fake CPU devices (see trainer.one_program_at_a_time).
     self.train_step = lambda state, batch: jax.block_until_ready(step(state, batch))

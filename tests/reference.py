@@ -2,7 +2,8 @@
 
 Python loops over particles, numpy for the filter; no vmap, no shard_map, no
 collectives. BatchNorm sees each particle's whole shard at once, which is what
-SyncBN over the "data" axis computes. Shares only the RNG contract with the
+SyncBN over the "data" axis computes. With ``loss_scale`` (float16), the
+textbook dynamic loss scaling rule, written out: one scale for all particles. Shares only the RNG contract with the
 library: step k uses key fold_in(rng, k); the resampling uniform comes from
 fold_in(key, 0); the jitter of slot n, leaf j from fold_in(fold_in(fold_in(key, 1), n), j).
 """
@@ -80,7 +81,8 @@ class Reference:
   """Holds per-particle lists and runs steps one particle at a time."""
 
   def __init__(self, model, tx, spec, params, batch_stats, opt_state, log_weights, rng, shared=None,
-               shared_opt_state=None, shared_pattern=""):
+               shared_opt_state=None, shared_pattern="", loss_scale=None, growth_interval=2000,
+               minimum_scale=1.0):
     self.spec = spec
     self.tx = tx
     self.rng = rng
@@ -95,13 +97,25 @@ class Reference:
     self.pattern = shared_pattern
     self.shared = jax.tree.map(np.asarray, shared or {})
     self.shared_opt_state = shared_opt_state if shared_opt_state is not None else tx.init(self.shared)
+    self.loss_scale = loss_scale
+    self.growth_interval = growth_interval
+    self.minimum_scale = minimum_scale
+    self.finite_steps = 0  # finite steps since the scale last changed
+    self.num_overflows = 0
 
-    def loss_fn(params, batch_stats, image, label):
+    def loss_fn(params, batch_stats, image, label, scale):
       logits, new = model.apply({"params": params, "batch_stats": batch_stats}, image, train=True,
                                 mutable=["batch_stats"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, label).mean(), new["batch_stats"]
+      return scale * optax.softmax_cross_entropy_with_integer_labels(logits, label).mean(), new["batch_stats"]
 
-    self._grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+    def scaled_grad(params, batch_stats, image, label):
+      scale = np.float32(1.0 if self.loss_scale is None else self.loss_scale)
+      (loss, bs), g = grad(params, batch_stats, image, label, scale)
+      return (loss / scale, bs), jax.tree.map(lambda x: np.asarray(x, np.float32) / scale, g)
+
+    self._grad = scaled_grad
     self._update = jax.jit(tx.update)
 
   def train_step(self, images, labels):
@@ -122,9 +136,27 @@ class Reference:
       if not ok:
         shared_grads[-1] = jax.tree.map(jnp.zeros_like, g_shared)
       stats.append(bs)
+    record = {"loss": losses, "alive": alive, "resampled": False, "ancestors": list(range(p))}
+    if self.loss_scale is not None:
+      record["loss_scale"] = self.loss_scale
+      # A finite loss with a non-finite gradient: above the minimum scale, everyone skips and the
+      # scale halves; at the minimum, that particle is culled like any non-finite one.
+      overflow = any(np.isfinite(losses[i]) and not alive[i] for i in range(p))
+      record["overflow"] = overflow and self.loss_scale > self.minimum_scale
+      if any(np.isfinite(losses)):
+        if overflow:
+          self.loss_scale, self.finite_steps = max(self.loss_scale / 2, self.minimum_scale), 0
+        elif self.finite_steps == self.growth_interval:
+          self.loss_scale, self.finite_steps = self.loss_scale * 2, 0
+        else:
+          self.finite_steps += 1
+      if record["overflow"]:  # nobody is culled, nothing changes but the scale
+        record["alive"] = [bool(np.isfinite(x)) for x in losses]
+        self.num_overflows += 1
+        self.step += 1
+        return record
     log_w = np.array([s.forgetting * self.log_w[i] - s.temperature * losses[i] if alive[i] else -np.inf
                       for i in range(p)])
-    record = {"loss": losses, "alive": alive, "resampled": False, "ancestors": list(range(p))}
     if not any(alive):
       self.step += 1
       return record

@@ -17,8 +17,8 @@ def run_module(module, *args, devices=1):
 
 
 def test_gpu_resnet50_tiny_on_cpu():
-  s = run_module("benchmarks.gpu_resnet50", "--tiny", devices=2)
-  assert s["devices"] == 2 and s["model"] == "resnet_tiny"
+  s = run_module("benchmarks.gpu_resnet50", "--tiny", "--dtype", "float16", devices=2)  # bf16: test_tfds
+  assert s["devices"] == 2 and s["model"] == "resnet_tiny" and s["dtype"] == "float16"
   assert s["ddp_images_per_s"] > 0 and s["ipf2_images_per_s"] > 0
   assert abs(s["ipf2_over_ddp"] - s["ipf2_images_per_s"] / s["ddp_images_per_s"]) < 1e-9
 
@@ -28,3 +28,11 @@ def test_memory_benchmark_tiny():
                  "--per_device_batch", "8")
   peaks = s["peak_mib"]
   assert peaks["L=1"] > 0 and peaks["L=4"] > peaks["L=1"], "4 particles hold more state than 1"
+
+
+def test_precision_benchmark_tiny():
+  s = run_module("benchmarks.precision_digits", "--seeds", "1", "--steps", "10", devices=8)
+  rows = s["results"]
+  assert set(rows) == {"float32", "bfloat16", "float16, dynamic loss scale (default)", "float16, scale 1"}
+  assert rows["float16, scale 1"]["final_loss_scale"] == 1.0 and "final_loss_scale" not in rows["float32"]
+  assert all(0 <= r["fused_acc"] <= 1 and r["ens_nll"] > 0 for r in rows.values())

@@ -12,6 +12,7 @@ import pytest
 from configs import digits
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
+from ipf_jax import optim
 from ipf_jax import state as state_lib
 from tests import helpers
 
@@ -74,7 +75,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_pat
 
 @pytest.mark.parametrize("flag,field", [("--config.num_particles=4", "num_particles"),
                                         ("--config.cnn_features=(16,32)", "cnn_features"),
-                                        ("--config.momentum=0.0", "momentum")])
+                                        ("--config.momentum=0.0", "momentum"),
+                                        ("--config.dtype=float16", "dtype")])
 def test_incompatible_checkpoint_names_the_field(uninterrupted, tmp_path, flag, field):
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
@@ -113,3 +115,24 @@ def test_impossible_target_names_a_device_count_that_works():
   config.num_devices = 3  # 8 particles on 3 devices: (Dp, Dd) = (1, 3) and 128 % 24 != 0
   with pytest.raises(configuration.ConfigError, match=r"run on num_devices in \[1, 2, 4, 8\]"):
     configuration.validate(config, 8)
+
+
+def test_float16_loss_scale_survives_a_restart(tmp_path):
+  """The loss scale, its finite-step count and the overflow count are part of the saved state."""
+  config = helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0 ** 30,
+                               loss_scale_growth_interval=3)
+  src = helpers.Setup(config, 4, 2)
+  for images, labels in helpers.particle_batches(4, 20):
+    src.state, _ = src.train_step(src.state, src.put(images, labels))
+  saved = src.host_state()
+  assert int(saved.num_overflows) > 0 and int(saved.dynamic_scale.fin_steps) > 0
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), async_save=False)
+  ckpt.save(20, src.state, config)
+  ckpt.close()
+  dst = helpers.Setup(helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0 ** 30,
+                                          loss_scale_growth_interval=3), 2, 1)
+  abstract, _ = state_lib.train_state_init(jax.random.PRNGKey(0), dst.model, dst.tx, (8, 8, 1), 4, dst.mesh,
+                                           dynamic_scale=optim.create_dynamic_scale(dst.config))
+  restored, _ = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(abstract, dst.config)
+  assert_same_state(jax.device_get(restored), saved)
+  assert restored.dynamic_scale.growth_interval == 3

@@ -26,6 +26,24 @@ def test_train_py_ddp_override(tmp_path):
   assert "particle 0" in r.stdout and "particle 1 " not in r.stdout
 
 
+def test_train_py_float16_with_loss_scaling(tmp_path):
+  """float16 from a scale that overflows at first: the run backs off, skips those steps without
+  calling them failures, and still learns; the scale is in the progress line and TensorBoard."""
+  r = run_train(tmp_path, "--config.dtype=float16", "--config.loss_scale_init=1099511627776.0",
+                "--config.num_train_steps=60", "--config.log_every_steps=30")
+  assert r.returncode == 0, r.stdout + r.stderr
+  line = next(x for x in r.stdout.splitlines() if "step 60/60" in x)
+  overflows = int(line.split("overflows ")[1].split(")")[0])
+  scale = float(line.split("loss scale ")[1].split()[0])
+  assert 1 <= overflows < 40 and scale < 2.0 ** 40 and "skipped" not in line
+  results = json.load(open(tmp_path / "eval_results.json"))
+  assert results["ensemble"]["accuracy"] > 0.7, results["ensemble"]
+  from ipf_jax import report
+  scalars = report.read_scalars(str(tmp_path))
+  steps, overflow = scalars["train/overflow"]
+  assert len(steps) == 60 and overflow.sum() == overflows and len(scalars["train/loss_scale"][0]) == 60
+
+
 def test_train_py_bad_config_is_one_clear_error(tmp_path):
   r = run_train(tmp_path, "--config.num_particles=3")
   assert r.returncode != 0
