@@ -189,6 +189,17 @@ def test_float16_overflow_at_minimum_scale_culls_the_particle():
   assert spmd[0]["ancestors"][3] != 3 and int(s.host_state().num_overflows) == 0
 
 
+def test_float16_single_particle_counts_overflows_not_failures():
+  """DDP in float16: overflow steps are skipped and counted apart from non-finite (failed) steps."""
+  config = helpers.tiny_config(num_particles=1, mode="ddp", dtype="float16", loss_scale_init=2.0 ** 24,
+                               loss_scale_growth_interval=2)
+  s, ref, spmd, refr = run_both(config, 1, 4, num_steps=12)
+  assert_same_run(s, ref, spmd, refr, **FP16_TOL)
+  out = s.host_state()
+  assert 0 < int(out.num_overflows) < 12 and int(out.num_skipped) == 0
+  assert spmd[0]["overflow"] and not spmd[-1]["overflow"]
+
+
 @pytest.mark.parametrize("dp,dd", [(1, 8), (1, 4), (1, 1)])
 def test_single_particle_is_textbook_data_parallel_sgd(dp, dd):
   """P = 1 equals full-batch SGD with momentum written out by hand."""
