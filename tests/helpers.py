@@ -105,3 +105,33 @@ def run_train_py(workdir, *flags, env=None, timeout=600):
   return subprocess.run([sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir),
                          *flags], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
                         capture_output=True, text=True, timeout=timeout)
+
+
+def free_port():
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(argv, num_processes, timeout=600):
+  """``argv`` once per process on localhost, joined by ``--coordinator_address/--num_processes/
+  --process_id``; every process must exit 0. Returns their outputs (stdout + stderr)."""
+  import os
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  port = free_port()
+  procs = [subprocess.Popen([*argv, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
+                             f"--process_id={pid}"], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for pid in range(num_processes)]
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=timeout)[0])
+  finally:
+    for p in procs:
+      p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-5000:]
+  return outs

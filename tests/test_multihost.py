@@ -2,8 +2,6 @@
 import os
 import re
 import shutil
-import socket
-import subprocess
 import sys
 
 import jax
@@ -17,31 +15,10 @@ FLAGS = ("--config.num_particles=4", "--config.particle_axis_size=2", "--config.
          "--config.checkpoint_every_steps=0", "--config.temperature=10.0")
 
 
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def run_two_hosts(workdir, steps):
-  port = free_port()
-  procs = []
-  for pid in range(2):
-    cmd = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir), *FLAGS,
-           f"--config.num_train_steps={steps}", "--config.num_cpu_devices=2",
-           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={pid}"]
-    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=600)[0])
-  finally:
-    for p in procs:
-      p.kill()
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out
-  return outs
+  return helpers.run_processes([sys.executable, "train.py", "--config", "configs/digits.py", "--workdir",
+                                str(workdir), *FLAGS, f"--config.num_train_steps={steps}",
+                                "--config.num_cpu_devices=2"], 2)
 
 
 def run_one_host(workdir, steps, devices):
