@@ -103,3 +103,45 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def print_summary(summary: dict) -> None:
   print("SUMMARY " + json.dumps(summary, sort_keys=True))
+
+
+def digits_study(name: str, variants: dict, row: Callable[[dict, dict], dict], seeds: int, steps: int,
+                 columns: list[tuple[str, float, str]], note: str = "") -> dict:
+  """Trains the digits config once per (variant, seed) in this process and prints a markdown table
+  of ``row(eval_results, tensorboard_scalars)`` (mean ± std over seeds; a column missing from a
+  variant's rows shows "–") and ``SUMMARY {json}``. ``variants``: name -> config overrides;
+  ``columns``: (key, scale, format). Returns ``{variant: {key: (mean, std)}}``."""
+  import logging
+  import os
+  import tempfile
+
+  from configs import digits
+  from ipf_jax import report, trainer
+
+  logging.getLogger("ipf_jax").disabled = True
+  table = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for variant, overrides in variants.items():
+      runs = []
+      for seed in range(seeds):
+        config = digits.get_config()
+        config.seed, config.num_train_steps, config.log_every_steps = seed, steps, steps
+        config.checkpoint_every_steps, config.num_cpu_devices = -1, 0
+        for k, v in overrides.items():
+          config[k] = v
+        workdir = os.path.join(tmp, f"{len(table)}-{seed}")
+        results = trainer.train_and_evaluate(config, workdir)
+        runs.append(row(results, report.read_scalars(workdir)))
+      table[variant] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs])))
+                        for k in runs[0]}
+      print(f"done {variant}", flush=True)
+  print(f"\n{seeds} seeds, {steps} steps, digits config (8 particles, batch 128), mean ± std"
+        + (f"; {note}" if note else "") + "\n")
+  print("| variant | " + " | ".join(c for c, _, _ in columns) + " |")
+  print("|" + "---|" * (len(columns) + 1))
+  for variant, r in table.items():
+    cells = [f"{s * r[c][0]:{f}} ± {s * r[c][1]:{f}}" if c in r else "–" for c, s, f in columns]
+    print(f"| {variant} | " + " | ".join(cells) + " |")
+  print_summary({"benchmark": name, "seeds": seeds, "steps": steps,
+                 "results": {v: {k: m for k, (m, _) in r.items()} for v, r in table.items()}})
+  return table

@@ -98,6 +98,9 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")
   _check(config.resample_every >= 0, "resample_every", f"must be >= 0 (0 = never on schedule), got {config.resample_every}")
   _check(config.jitter >= 0, "jitter", f"must be >= 0, got {config.jitter}")
+  bn_batches = config.fused_bn_batches
+  _check(isinstance(bn_batches, int) and bn_batches >= 0, "fused_bn_batches",
+         f"must be an integer >= 0 (0 = weighted average of the particles' statistics), got {bn_batches!r}")
   _check(config.num_train_steps >= 1, "num_train_steps", f"must be >= 1, got {config.num_train_steps}")
   _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
   _check(config.checkpoint_every_steps >= -1, "checkpoint_every_steps",

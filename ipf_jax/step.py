@@ -222,21 +222,23 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
 
 
 def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
-  """``eval_step(state, batch) -> sums`` for every particle, the ensembles and the fused model.
+  """``eval_step(state, batch, fused_bn=None) -> sums`` for every particle, the ensembles and the fused model.
 
   ``batch`` is ``{"image": [N, ...], "label": [N], "mask": [N]}`` sharded over
   ``"data"`` and seen by every particle. Returns additive sums (see
   ``metrics.classification_sums``), replicated: ``particles`` with a leading ``[P]`` axis,
   ``ensemble`` (``sum_i w_i softmax(f(theta_i, x))``), ``ensemble_uniform``
   (equal weights over finite particles) and ``fused`` (``f(sum_i w_i theta_i)``
-  with ``sum_i w_i beta_i`` BatchNorm statistics).
+  with ``sum_i w_i beta_i`` BatchNorm statistics); with ``fused_bn`` (replicated
+  BatchNorm statistics from ``make_fused_bn_fn``) also ``fused_bn``, the fused
+  parameters with those statistics.
   """
 
   def predict(params, shared, batch_stats, image):
     variables = {"params": sharing.merge(params, shared), "batch_stats": batch_stats}
     return jax.nn.softmax(model.apply(variables, image, train=False))
 
-  def local_eval(state: ParticleState, batch):
+  def local_eval(state: ParticleState, batch, fused_bn):
     image, label, mask = batch["image"], batch["label"], batch["mask"]
     shared = state.shared_params
     probs = over_particles(predict, particle_loop, (0, None, 0, None))(
@@ -251,10 +253,38 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, particle_loop: str
             "ensemble": metrics_lib.classification_sums(ensemble, label, mask),
             "ensemble_uniform": metrics_lib.classification_sums(uniform, label, mask),
             "fused": metrics_lib.classification_sums(predict(fused_params, shared, fused_stats, image), label, mask)}
+    if fused_bn is not None:
+      sums["fused_bn"] = metrics_lib.classification_sums(predict(fused_params, shared, fused_bn, image), label, mask)
     return {**lax.psum(sums, DATA), "weights": pf.gather_all(w, PARTICLE)}
 
-  sharded = jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC), out_specs=P())
-  return jax.jit(sharded)
+  sharded = jax.jit(jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), EVAL_BATCH_SPEC, P()),
+                                  out_specs=P()))
+  return lambda state, batch, fused_bn=None: sharded(state, batch, fused_bn)
+
+
+def make_fused_bn_fn(model: nn.Module, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
+  """``fused_bn(state, batch) -> batch_stats``: the fused model's BatchNorm statistics on one train batch.
+
+  The fused parameters ``sum_i w_i theta_i`` run in train mode on each particle's shard of
+  ``batch`` (laid out and sharded as for the train step; statistics synchronised over
+  ``"data"`` as in training); the per-shard means and variances are averaged over all shards.
+  Averaged over a few batches, they replace ``sum_i w_i beta_i``, which does not describe the
+  activations of the averaged network (as SWA re-estimates them). Returned replicated.
+  """
+  stats_model = model.clone(bn_momentum=0.0)  # running statistics := this batch's statistics
+
+  def local(state: ParticleState, batch):
+    fused, _ = _fused(state)
+    variables = {"params": sharing.merge(fused, state.shared_params),
+                 "batch_stats": jax.tree.map(lambda x: jnp.zeros_like(x[0]), state.batch_stats)}
+
+    def one(image):
+      return stats_model.apply(variables, image, train=True, mutable=["batch_stats"])[1]["batch_stats"]
+
+    stats = over_particles(one, particle_loop, (0,))(batch["image"])
+    return lax.pmean(jax.tree.map(lambda x: jnp.mean(x, axis=0), stats), PARTICLE)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(), BATCH_SPEC), out_specs=P()))
 
 
 def _fused(state: ParticleState):

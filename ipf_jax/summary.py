@@ -6,7 +6,8 @@ Scalar tags (read back by ``ipf_jax.report``):
   particle/loss/<i>, particle/weight/<i>, particle/diversity/<i>,
   resample/event (1 at a step that resampled), resample/ancestor/<slot> (at those steps),
   train/loss_scale, train/overflow (float16 only: the step's loss scale, 1 if its gradient overflowed),
-  eval/<model>/<accuracy|nll|ece> with model = ensemble, ensemble_uniform, fused, particle_<i>.
+  eval/<model>/<accuracy|nll|ece> with model = ensemble, ensemble_uniform, fused, fused_bn (when
+  fused_bn_batches > 0), particle_<i>.
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ class SummaryWriter:
 
   def eval_results(self, step: int, results: dict) -> None:
     values = {}
-    for model in ("ensemble", "ensemble_uniform", "fused"):
+    for model in ("ensemble", "ensemble_uniform", "fused", "fused_bn"):
+      if model not in results:
+        continue
       for metric in ("accuracy", "nll", "ece"):
         values[f"eval/{model}/{metric}"] = results[model][metric]
     for metric in ("accuracy", "nll", "ece"):

@@ -79,11 +79,11 @@ def one_program_at_a_time(x):
   return x
 
 
-def evaluate(eval_step, state, dataset, batch_size: int, mesh) -> dict:
+def evaluate(eval_step, state, dataset, batch_size: int, mesh, fused_bn=None) -> dict:
   """Every test example exactly once (padded last batch, masked)."""
   total = None
   for batch in dataset.eval_batches(batch_size):
-    sums = one_program_at_a_time(eval_step(state, layout.put_eval_batch(batch, mesh)))
+    sums = one_program_at_a_time(eval_step(state, layout.put_eval_batch(batch, mesh), fused_bn))
     weights = sums.pop("weights")
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
   results = {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
@@ -115,7 +115,9 @@ def format_eval_table(results: dict, shared_init: bool = True) -> str:
     rows.append((f"particle {i}", f"{weights[i]:.3f}", f"{100 * p['accuracy'][i]:.2f}%", f"{p['nll'][i]:.4f}",
                  f"{p['ece'][i]:.4f}"))
   for name, key in (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_uniform"),
-                    ("fused model", "fused")):
+                    ("fused model", "fused"), ("fused model, BN re-estimated", "fused_bn")):
+    if key not in results:
+      continue
     r = results[key]
     rows.append((name, "", f"{100 * r['accuracy']:.2f}%", f"{r['nll']:.4f}", f"{r['ece']:.4f}"))
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -167,6 +169,7 @@ class _Run:
         dynamic_scale=optim.create_dynamic_scale(config))
     self.eval_step = step_lib.make_eval_step(self.model, self.mesh, config.particle_loop)
     self.fuse = step_lib.make_fuse_fn(self.mesh)
+    self.fused_bn_fn = step_lib.make_fused_bn_fn(self.model, self.mesh, config.particle_loop)
 
   def restore(self, ckpt):
     """The newest readable checkpoint's state, or ``None``."""
@@ -178,16 +181,35 @@ class _Run:
              int(state.step), meta["num_devices"])
     return state
 
-  def evaluate(self, state) -> dict:
-    return evaluate(self.eval_step, state, self.dataset, self.config.eval_batch_size, self.mesh)
+  def fused_bn(self, state):
+    """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
+    (the first ones of the run's data order), or ``None`` when that is 0."""
+    n = self.config.fused_bn_batches
+    if not n:
+      return None
+    g = self.config.global_batch_size
+    batches = self.dataset.train_batches(0, g, self.config.seed)
+    total = None
+    for _ in range(n):
+      batch = layout.put_train_batch(next(batches), self.spec.num_particles, self.mesh, self.dataset.process_local)
+      stats = one_program_at_a_time(self.fused_bn_fn(state, batch))
+      total = stats if total is None else jax.tree.map(jax.numpy.add, total, stats)
+    return jax.tree.map(lambda x: x / n, total)
+
+  def evaluate(self, state, fused_bn=None) -> dict:
+    return evaluate(self.eval_step, state, self.dataset, self.config.eval_batch_size, self.mesh, fused_bn)
 
   def finish(self, state, writer=None) -> dict:
-    """Final evaluation table, ``eval_results.json`` and the exported fused model."""
-    results = self.evaluate(state)
+    """Final evaluation table, ``eval_results.json`` and the exported fused model (with re-estimated
+    BatchNorm statistics when ``fused_bn_batches`` > 0)."""
+    fused_bn = self.fused_bn(state)
+    results = self.evaluate(state, fused_bn)
     step = int(state.step)
     log.info("final evaluation at step %d on %d %s test examples:\n%s", step, self.dataset.test_size,
              self.config.dataset, format_eval_table(results, self.spec.shared_init))
     variables, _ = self.fuse(state)
+    if fused_bn is not None:
+      variables = {**variables, "batch_stats": fused_bn}
     if writer is not None:
       writer.eval_results(step, results)
     if jax.process_index() == 0:
@@ -276,7 +298,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
       _check_finite(state, spec.num_particles, done)
       ckpt.save(done, state, config)
     if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
-      results = run.evaluate(state)
+      results = run.evaluate(state, run.fused_bn(state))
       writer.eval_results(done, results)
       log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done, 100 * results["ensemble"]["accuracy"],
                100 * results["fused"]["accuracy"])

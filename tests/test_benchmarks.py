@@ -36,3 +36,9 @@ def test_precision_benchmark_tiny():
   assert set(rows) == {"float32", "bfloat16", "float16, dynamic loss scale (default)", "float16, scale 1"}
   assert rows["float16, scale 1"]["final_loss_scale"] == 1.0 and "final_loss_scale" not in rows["float32"]
   assert all(0 <= r["fused_acc"] <= 1 and r["ens_nll"] > 0 for r in rows.values())
+
+
+def test_fused_bn_benchmark_tiny():
+  s = run_module("benchmarks.fused_bn_digits", "--seeds", "1", "--steps", "10", "--batches", "2", devices=8)
+  assert len(s["results"]) == 3
+  assert all(0 <= r["fused_bn_acc"] <= 1 and r["fused_bn_nll"] > 0 for r in s["results"].values())

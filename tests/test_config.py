@@ -40,6 +40,7 @@ def cfg(**kw):
     (dict(weight_decay=-1e-4), 8, "weight_decay", ">= 0"),
     (dict(grad_clip_norm=-1.0), 8, "grad_clip_norm", ">= 0"),
     (dict(jitter=-0.1), 8, "jitter", ">= 0"),
+    (dict(fused_bn_batches=-1), 8, "fused_bn_batches", "integer >= 0"),
     (dict(resample_every=-1), 8, "resample_every", ">= 0"),
     (dict(warmup_steps=-1), 8, "warmup_steps", ">= 0"),
     (dict(reference_batch_size=0), 8, "reference_batch_size", ">= 1"),

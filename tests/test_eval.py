@@ -60,3 +60,53 @@ def test_eval_matches_numpy(dp, dd, p, loop):
     for metric, value in numpy_metrics(probs[i], y).items():
       np.testing.assert_allclose(results["particles"][metric][i], value, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(results["weights"], w, rtol=1e-5, atol=1e-7)
+
+
+def _conv3x3_same(x, kernel):
+  """numpy 'SAME' 3x3 convolution, stride 1, no bias: x [N, H, W, C], kernel [3, 3, C, F]."""
+  n, h, w, _ = x.shape
+  padded = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+  out = np.zeros((n, h, w, kernel.shape[-1]))
+  for di in range(3):
+    for dj in range(3):
+      out += padded[:, di:di + h, dj:dj + w, :] @ kernel[di, dj]
+  return out
+
+
+@pytest.mark.parametrize("dp,dd,p,loop", [(8, 1, 8, "vmap"), (4, 2, 8, "vmap"), (1, 8, 2, "map"), (2, 4, 4, "unroll")])
+def test_fused_bn_statistics_match_plain_computation(dp, dd, p, loop):
+  """Re-estimated BatchNorm statistics of the fused model = per-shard batch statistics of the fused
+  network (first layer: numpy convolution; all layers: the plain model, one shard at a time),
+  averaged over the particles' shards; the eval step then uses them for the ``fused_bn`` row."""
+  config = helpers.tiny_config(num_particles=p, init="shared", eval_batch_size=64, particle_loop=loop)
+  s = helpers.Setup(config, dp, dd)
+  batches = helpers.particle_batches(p, 4)
+  for images, labels in batches[:3]:
+    s.state, _ = s.train_step(s.state, s.put(images, labels))
+  host = s.host_state()
+  images, labels = batches[3]
+  got = jax.device_get(step_lib.make_fused_bn_fn(s.model, s.mesh, loop)(s.state, s.put(images, labels)))
+
+  w = np.exp(host.log_weights.astype(np.float64))
+  fused = jax.tree.map(lambda a: np.tensordot(w, a, axes=1).astype(np.float32), host.params)
+  # First BatchNorm by hand: mean and (biased) variance of the first convolution's output per shard.
+  first = [_conv3x3_same(images[i].astype(np.float64), fused["Conv_0"]["kernel"]) for i in range(p)]
+  np.testing.assert_allclose(got["BatchNorm_0"]["mean"], np.mean([f.mean(axis=(0, 1, 2)) for f in first], axis=0),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(got["BatchNorm_0"]["var"], np.mean([f.var(axis=(0, 1, 2)) for f in first], axis=0),
+                             rtol=1e-4, atol=1e-5)
+  # Every layer: the plain model on one shard at a time (its running statistics with momentum 0).
+  plain = s.plain_model.clone(bn_momentum=0.0)
+  zeros = jax.tree.map(lambda a: np.zeros_like(a[0]), host.batch_stats)
+  shards = [plain.apply({"params": fused, "batch_stats": zeros}, images[i], train=True, mutable=["batch_stats"])[1]
+            for i in range(p)]
+  helpers.assert_close(got, jax.tree.map(lambda *xs: np.mean(xs, axis=0), *[sh["batch_stats"] for sh in shards]))
+
+  data = helpers.digits_data()
+  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), s.state, data, config.eval_batch_size,
+                             s.mesh, fused_bn=got)
+  probs = jax.nn.softmax(s.plain_model.apply({"params": fused, "batch_stats": got}, data.test_images, train=False))
+  for metric, value in numpy_metrics(np.asarray(probs, np.float64), data.test_labels).items():
+    np.testing.assert_allclose(results["fused_bn"][metric], value, rtol=1e-4, atol=1e-5, err_msg=metric)
+  assert "fused_bn" not in trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), s.state, data,
+                                            config.eval_batch_size, s.mesh)

@@ -16,7 +16,7 @@ STEPS = 20
 def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("run")
   r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--config.log_every_steps=5",
-                           "--config.eval_every_steps=10")
+                           "--config.eval_every_steps=10", "--config.fused_bn_batches=4")
   assert r.returncode == 0, r.stdout + r.stderr
   return workdir, r.stdout
 
@@ -38,10 +38,11 @@ def test_tensorboard_events_hold_every_step(run):
   weights = np.stack([scalars[f"particle/weight/{i}"][1] for i in range(8)])
   np.testing.assert_allclose(weights.sum(0), 1.0, rtol=1e-4)
   results = json.load(open(workdir / "eval_results.json"))
-  for model in ["ensemble", "fused", "particle_3"]:
+  for model in ["ensemble", "fused", "fused_bn", "particle_3"]:
     steps, values = scalars[f"eval/{model}/accuracy"]
     np.testing.assert_array_equal(steps, [10, STEPS])
   assert scalars["eval/fused/accuracy"][1][-1] == pytest.approx(results["fused"]["accuracy"], rel=1e-6)
+  assert scalars["eval/fused_bn/nll"][1][-1] == pytest.approx(results["fused_bn"]["nll"], rel=1e-6)
   events = scalars["resample/event"][1]
   if events.any():  # ancestors are logged exactly at the resampling steps
     assert set(scalars["resample/ancestor/0"][0]) == set(scalars["resample/event"][0][events > 0])
@@ -58,7 +59,7 @@ def test_report_writes_pictures(run, tmp_path):
 
 def test_eval_only_prints_the_final_table(run):
   workdir, out = run
-  r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--eval_only")
+  r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--config.fused_bn_batches=4", "--eval_only")
   assert r.returncode == 0, r.stdout + r.stderr
   assert f"resumed from {workdir / 'checkpoints' / str(STEPS)}" in r.stdout
   assert table(r.stdout) == table(out)
@@ -70,11 +71,16 @@ def test_eval_only_without_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_exported_fused_model_reproduces_its_accuracy(run):
-  workdir, _ = run
+  """The export carries the re-estimated BatchNorm statistics (the run sets fused_bn_batches)."""
+  workdir, out = run
+  assert "fused model, BN re-estimated" in table(out)
   model, variables = export.load_fused(str(workdir / "fused_model"))
   data = helpers.digits_data()
   logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, data.test_images)
   accuracy = float(np.mean(np.argmax(logits, -1) == data.test_labels))
-  expected = json.load(open(workdir / "eval_results.json"))["fused"]["accuracy"]
-  assert accuracy == pytest.approx(expected, abs=1e-9)
+  logp = jax.nn.log_softmax(logits)
+  nll = -float(np.mean(np.asarray(logp)[np.arange(len(data.test_labels)), data.test_labels]))
+  expected = json.load(open(workdir / "eval_results.json"))["fused_bn"]
+  assert accuracy == pytest.approx(expected["accuracy"], abs=1e-9)
+  assert nll == pytest.approx(expected["nll"], rel=1e-4)
   assert accuracy > 0.5
