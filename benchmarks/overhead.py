@@ -7,8 +7,9 @@ All timings are medians of repeated steps after compilation; variants are
 measured in alternating rounds so machine noise hits them alike. Prints a
 table and ``SUMMARY {json}``.
 
-1. ipf without a resample / ensemble; ipf resampling every step / ensemble;
-   amortised over the digits run's measured resampling rate.
+1. ipf without a resample / ensemble (with and without the correction, with the
+   elastic pull); ipf resampling every step / ensemble; amortised over the
+   digits run's measured resampling rate.
 2. ddp (one particle) / a minimal hand-written jitted data-parallel step.
 3. particles per device L = 1, 2, 4: per-example cost relative to L = 1, for
    vmap, lax.map and an unrolled loop.
@@ -128,6 +129,8 @@ def main():
                                                              correction=0.0), args),
               "ipf lambda=0, no resampling branch": Timed(
                   config_for(args, mode="ipf", num_particles=p, correction=0.0), args, {"resampling": False}),
+              "ipf elastic 0.1 (no resample)": Timed(config_for(args, mode="ipf", num_particles=p,
+                                                                ess_threshold=0.0, elastic_pull=0.1), args),
               "ipf (resample every step)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
                                                             resample_every=1), args)}
   t = measure(variants, args.repeats, args.rounds)
@@ -142,6 +145,7 @@ def main():
   print_table(rows, ["variant", "step_ms", "vs ensemble", "peak_MiB"])
   summary.update(ipf_no_resample_over_ensemble=t["ipf (no resample)"] / t["ensemble"],
                  ipf_lambda0_no_resample_over_ensemble=t["ipf lambda=0 (no resample)"] / t["ensemble"],
+                 ipf_elastic_no_resample_over_ensemble=t["ipf elastic 0.1 (no resample)"] / t["ensemble"],
                  ipf_resample_every_step_over_ensemble=t["ipf (resample every step)"] / t["ensemble"],
                  digits_resample_rate=rate, ipf_amortised_over_ensemble=amortised / t["ensemble"],
                  resampling_peak_memory_ratio=mem["ipf (resample every step)"] / mem["ensemble"])

@@ -65,6 +65,8 @@ def get_config():
                                        # in the digits study, BENCHMARKS.md)
   config.forgetting = 0.9              # rho in (0, 1]: memory of past losses in the weights
   config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
+  config.elastic_pull = 0.0            # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
+                                       # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
   config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P
   config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
   config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback

@@ -41,6 +41,7 @@ class ParticleSpec:
   shared_init: bool
   resampling: bool  # whether the step has the resampling branch at all (ipf mode, P > 1)
   compress: bool = False  # int8 error-feedback exchange of the consensus gradient
+  elastic: float = 0.0  # alpha: pull towards the fused parameters after each update
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -51,7 +52,8 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
     return ParticleSpec(config.num_particles, float(config.temperature), float(config.forgetting),
                         float(config.correction), float(config.ess_threshold), int(config.resample_every),
                         float(config.jitter), shared, resampling=True,
-                        compress=bool(config.compress_correction) and config.correction > 0)
+                        compress=bool(config.compress_correction) and config.correction > 0,
+                        elastic=float(config.elastic_pull))
   return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False)
 
 
@@ -95,6 +97,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.temperature >= 0, "temperature", f"must be >= 0, got {config.temperature}")
   _check(0 < config.forgetting <= 1, "forgetting", f"must be in (0, 1], got {config.forgetting}")
   _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")
+  _check(0 <= config.elastic_pull <= 1, "elastic_pull", f"must be in [0, 1], got {config.elastic_pull}")
   _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")
   _check(config.resample_every >= 0, "resample_every", f"must be >= 0 (0 = never on schedule), got {config.resample_every}")
   _check(config.jitter >= 0, "jitter", f"must be >= 0, got {config.jitter}")

@@ -165,7 +165,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, spec: Pa
       directions = correction.correct(grads, weights, spec.correction, PARTICLE)
     # 4. Per-particle optimizer update.
     updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
-    particle = (optax.apply_updates(state.params, updates), batch_stats, opt_state, residual)
+    params = optax.apply_updates(state.params, updates)
+    # Optional elastic pull towards the fused parameters: theta_i <- (1 - alpha) theta_i + alpha theta_bar.
+    params = correction.correct(params, weights, spec.elastic, PARTICLE)
+    particle = (params, batch_stats, opt_state, residual)
     # Shared parameters: one update with the weighted consensus gradient (lambda = 1 for them).
     shared_updates, shared_opt_state = tx.update(correction.weighted_sum(shared_grads, weights, PARTICLE),
                                                  state.shared_opt_state, state.shared_params)

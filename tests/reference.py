@@ -174,6 +174,11 @@ class Reference:
       updates, self.opt_state[i] = self._update(d, self.opt_state[i], self.params[i])
       self.params[i] = optax.apply_updates(self.params[i], updates)
       self.batch_stats[i] = stats[i]
+    if s.elastic:  # pull towards theta_bar = sum_j w_j theta_j (after every particle's update)
+      fused = jax.tree.map(lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0),
+                           *self.params)
+      self.params = [jax.tree.map(lambda x, f: ((1 - s.elastic) * np.asarray(x, np.float64) + s.elastic * f)
+                                  .astype(np.float32), prm, fused) for prm in self.params]
     if self.pattern:  # one update of the shared parameters with the weighted consensus gradient
       consensus_shared = jax.tree.map(lambda *gs: sum(w[j] * gs[j] for j in range(p) if w[j] > 0), *shared_grads)
       updates, self.shared_opt_state = self._update(consensus_shared, self.shared_opt_state, self.shared)

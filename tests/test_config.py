@@ -22,6 +22,7 @@ def cfg(**kw):
     (dict(temperature=-1.0), 8, "temperature", ">= 0"),
     (dict(correction=1.5), 8, "correction", "[0, 1]"),
     (dict(correction=-0.1), 8, "correction", "[0, 1]"),
+    (dict(elastic_pull=1.5), 8, "elastic_pull", "[0, 1]"),
     (dict(num_devices=16), 8, "num_devices", "<= 8"),
     (dict(mode="ddp"), 8, "num_particles", "num_particles=1"),
     (dict(forgetting=0.0), 8, "forgetting", "(0, 1]"),

@@ -88,6 +88,17 @@ def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
   assert_same_run(s, ref, spmd, refr)
 
 
+@pytest.mark.parametrize("dp,dd,p,alpha", [(4, 2, 8, 0.2), (8, 1, 16, 0.2), (1, 8, 2, 0.2), (2, 4, 4, 1.0)])
+def test_elastic_pull_matches_reference(dp, dd, p, alpha):
+  config = helpers.tiny_config(num_particles=p, temperature=1.0, correction=0.5, elastic_pull=alpha,
+                               ess_threshold=0.3)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  assert_same_run(s, ref, spmd, refr)
+  if alpha == 1.0:  # every particle is moved onto the fused parameters (independent inits before)
+    for leaf in jax.tree.leaves(s.host_state().params):
+      np.testing.assert_allclose(leaf, np.broadcast_to(leaf[0], leaf.shape), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (8, 1, 16), (1, 8, 2)])
 def test_shared_parameters_match_reference(dp, dd, p):
   """The first conv and its BatchNorm shared: stored once, consensus-updated, never resampled."""
