@@ -2,7 +2,7 @@
 
   python -m ipf_jax.report WORKDIR [--out WORKDIR/report]
 
-Writes training_curves.png (per-particle loss), weights.png (ESS and weights
+Writes training_curves.png (per-particle loss; float16: the loss scale), weights.png (ESS and weights
 over time, resampling events marked), genealogy.png (which slot descends from
 which at each resampling) and eval.png (accuracy, NLL and ECE of every
 particle, the ensembles and the fused model at the last evaluation).
@@ -50,6 +50,10 @@ def plot_training_curves(scalars, path, plt):
     ax.plot(*scalars["train/loss"], color="k", lw=1.5, label="weighted mean")
   ax.set(xlabel="step", ylabel="training loss", yscale="log", title="Per-particle training loss")
   ax.legend(fontsize=7, ncol=2)
+  if "train/loss_scale" in scalars:  # float16 runs: the dynamic loss scale on a second axis
+    scale = ax.twinx()
+    scale.step(*scalars["train/loss_scale"], where="post", color="C3", lw=1, alpha=0.6)
+    scale.set(ylabel="loss scale (float16)", yscale="log")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

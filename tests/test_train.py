@@ -42,6 +42,7 @@ def test_train_py_float16_with_loss_scaling(tmp_path):
   scalars = report.read_scalars(str(tmp_path))
   steps, overflow = scalars["train/overflow"]
   assert len(steps) == 60 and overflow.sum() == overflows and len(scalars["train/loss_scale"][0]) == 60
+  assert len(report.write_report(str(tmp_path), str(tmp_path / "report"))) == 4  # with the loss-scale axis
 
 
 def test_train_py_bad_config_is_one_clear_error(tmp_path):
