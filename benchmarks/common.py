@@ -62,7 +62,8 @@ class Bench:
 
 
 def memory_mib(compiled) -> dict:
-  """Per-device sizes from XLA's ``memory_analysis()`` in MiB; ``peak`` = arguments + outputs + temporaries - aliased."""
+  """Per-device sizes from XLA's ``memory_analysis()`` in MiB;
+  ``peak`` = arguments + outputs + temporaries - aliased."""
   m = compiled.memory_analysis()
   mib = lambda b: b / 2 ** 20
   return {"arguments": mib(m.argument_size_in_bytes), "outputs": mib(m.output_size_in_bytes),

@@ -87,7 +87,8 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   try:
     re.compile(config.shared_params)
   except re.error as e:
-    raise ConfigError("shared_params", f"is not a valid regular expression ({e}); e.g. '^(conv_init|bn_init)'") from None
+    raise ConfigError("shared_params",
+                      f"is not a valid regular expression ({e}); e.g. '^(conv_init|bn_init)'") from None
   p = config.num_particles
   _check(isinstance(p, int) and p >= 1, "num_particles", f"must be an integer >= 1, got {p!r}")
   if config.mode == "ddp":
@@ -99,7 +100,8 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")
   _check(0 <= config.elastic_pull <= 1, "elastic_pull", f"must be in [0, 1], got {config.elastic_pull}")
   _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")
-  _check(config.resample_every >= 0, "resample_every", f"must be >= 0 (0 = never on schedule), got {config.resample_every}")
+  _check(config.resample_every >= 0, "resample_every",
+         f"must be >= 0 (0 = never on schedule), got {config.resample_every}")
   _check(config.jitter >= 0, "jitter", f"must be >= 0, got {config.jitter}")
   bn_batches = config.fused_bn_batches
   _check(isinstance(bn_batches, int) and bn_batches >= 0, "fused_bn_batches",

@@ -109,7 +109,8 @@ def plot_genealogy(scalars, path, plt):
 
 def plot_eval(scalars, path, plt):
   models = sorted({t.split("/")[1] for t in scalars if t.startswith("eval/")},
-                  key=lambda m: (not m.startswith("particle"), int(m.split("_")[1]) if m.startswith("particle_") else 0, m))
+                  key=lambda m: (not m.startswith("particle"),
+                                 int(m.split("_")[1]) if m.startswith("particle_") else 0, m))
   fig, axes = plt.subplots(1, 3, figsize=(12, 4))
   for ax, metric in zip(axes, ("accuracy", "nll", "ece")):
     vals = [scalars[f"eval/{m}/{metric}"][1][-1] if f"eval/{m}/{metric}" in scalars else np.nan for m in models]

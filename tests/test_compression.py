@@ -25,7 +25,8 @@ def test_quantize_roundtrip_error_is_within_half_a_step():
 def consensus_fn(mesh, dp):
   tree_spec = {"a": P("particle"), "b": P("particle")}
   fn = jax.shard_map(lambda g, w, r: compression.compressed_consensus(g, w, r, "particle", dp), mesh=mesh,
-                     in_specs=(tree_spec, P("particle"), P("particle")), out_specs=({"a": P(), "b": P()}, P("particle")),
+                     in_specs=(tree_spec, P("particle"), P("particle")),
+                     out_specs=({"a": P(), "b": P()}, P("particle")),
                      check_vma=False)
   return jax.jit(fn)
 

@@ -39,7 +39,8 @@ def test_eval_matches_numpy(dp, dd, p, loop):
   state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, s.state))
 
   data = helpers.digits_data()
-  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), state, data, config.eval_batch_size, s.mesh)
+  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), state, data, config.eval_batch_size,
+                             s.mesh)
 
   x, y = data.test_images, data.test_labels
   apply = jax.jit(lambda v: jax.nn.softmax(s.plain_model.apply(v, x, train=False)))
