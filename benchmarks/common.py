@@ -34,10 +34,8 @@ class Bench:
     self.model = create_model(config, num_classes, bn_axis_name=mesh_lib.DATA)
     total, warmup = optim.train_steps(config, steps_per_epoch=1)
     self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
-    self.abstract, self.init = state_lib.train_state_init(
-        jax.random.PRNGKey(0), self.model, self.tx, image_shape, config.num_particles, self.mesh,
-        shared_init=self.spec.shared_init, shared_pattern=config.shared_params, compress=self.spec.compress,
-        dynamic_scale=optim.create_dynamic_scale(config))
+    self.abstract, self.init = state_lib.train_state_init_from_config(config, self.spec, self.model, self.tx,
+                                                                      image_shape, self.mesh)
     self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh,
                                                label_smoothing=config.label_smoothing,
                                                particle_loop=config.particle_loop)

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax import compression
+from ipf_jax import optim
 from ipf_jax import sharing
 from ipf_jax.mesh import PARTICLE
 
@@ -113,6 +114,15 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
   shardings = state_shardings(mesh, shape)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, shardings)
   return abstract, jax.jit(init_all, out_shardings=shardings)
+
+
+def train_state_init_from_config(config, spec, model: nn.Module, tx: optax.GradientTransformation,
+                                 input_shape: tuple[int, ...], mesh: jax.sharding.Mesh):
+  """``train_state_init`` with everything the config and the particle spec decide: seed, init,
+  shared parameters, compression residuals and float16's loss scale."""
+  return train_state_init(jax.random.PRNGKey(config.seed), model, tx, input_shape, spec.num_particles, mesh,
+                          shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress,
+                          dynamic_scale=optim.create_dynamic_scale(config))
 
 
 def create_train_state(*args, **kwargs) -> ParticleState:

@@ -163,10 +163,8 @@ class _Run:
     self.total, warmup = optim.train_steps(config, self.steps_per_epoch)
     self.lr_fn = optim.create_learning_rate_fn(config, self.total, warmup)
     self.tx = optim.create_optimizer(config, self.lr_fn)
-    self.abstract_state, self.init_state = state_lib.train_state_init(
-        jax.random.PRNGKey(config.seed), self.model, self.tx, self.dataset.image_shape, spec.num_particles,
-        self.mesh, shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress,
-        dynamic_scale=optim.create_dynamic_scale(config))
+    self.abstract_state, self.init_state = state_lib.train_state_init_from_config(
+        config, spec, self.model, self.tx, self.dataset.image_shape, self.mesh)
     self.eval_step = step_lib.make_eval_step(self.model, self.mesh, config.particle_loop)
     self.fuse = step_lib.make_fuse_fn(self.mesh)
     self.fused_bn_fn = step_lib.make_fused_bn_fn(self.model, self.mesh, config.particle_loop)

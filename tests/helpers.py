@@ -63,10 +63,9 @@ class Setup:
     self.plain_model = create_model(config, 10, bn_axis_name=None)
     total, warmup = optim.train_steps(config, steps_per_epoch=1)
     self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
-    self.state = state_lib.create_train_state(jax.random.PRNGKey(config.seed), self.model, self.tx, (8, 8, 1),
-                                              config.num_particles, self.mesh, self.spec.shared_init,
-                                              config.shared_params, self.spec.compress,
-                                              optim.create_dynamic_scale(config))
+    self.abstract, init = state_lib.train_state_init_from_config(config, self.spec, self.model, self.tx, (8, 8, 1),
+                                                                 self.mesh)
+    self.state = init()
     step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh, particle_loop=config.particle_loop)
     # One collective program in flight at a time on fake CPU devices (see trainer.one_program_at_a_time).
     self.train_step = lambda state, batch: jax.block_until_ready(step(state, batch))

@@ -12,7 +12,6 @@ import pytest
 from configs import digits
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
-from ipf_jax import optim
 from ipf_jax import state as state_lib
 from tests import helpers
 
@@ -131,8 +130,6 @@ def test_float16_loss_scale_survives_a_restart(tmp_path):
   ckpt.close()
   dst = helpers.Setup(helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0 ** 30,
                                           loss_scale_growth_interval=3), 2, 1)
-  abstract, _ = state_lib.train_state_init(jax.random.PRNGKey(0), dst.model, dst.tx, (8, 8, 1), 4, dst.mesh,
-                                           dynamic_scale=optim.create_dynamic_scale(dst.config))
-  restored, _ = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(abstract, dst.config)
+  restored, _ = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(dst.abstract, dst.config)
   assert_same_state(jax.device_get(restored), saved)
   assert restored.dynamic_scale.growth_interval == 3
