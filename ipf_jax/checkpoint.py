@@ -26,8 +26,10 @@ log = logging.getLogger("ipf_jax")
 # differ (the particle axis is resharded on restore).
 STRUCTURAL_FIELDS = ("dataset", "model", "cnn_features", "num_particles", "grad_accum_steps",
                      "shared_params")
-# Fields whose zero/non-zero setting changes the optimizer state's structure.
-OPTIMIZER_SWITCHES = ("momentum", "weight_decay", "grad_clip_norm", "compress_correction")
+# Fields where one side of a switch changes the saved state's structure: the optimizer state
+# (zero vs non-zero), the compression residuals, float16's loss scale. Both runs must be on the same side.
+STATE_SWITCHES = {"momentum": bool, "weight_decay": bool, "grad_clip_norm": bool, "compress_correction": bool,
+                  "dtype": lambda dtype: dtype == "float16"}
 
 
 class CheckpointError(RuntimeError):
@@ -48,18 +50,13 @@ def check_compatible(saved: dict, config: ml_collections.ConfigDict, where: str)
           f"the checkpoint in {where} was written with config.{field}={saved.get(field)!r}, this run has "
           f"config.{field}={current.get(field)!r}. Resume with --config.{field}={saved.get(field)!r}, or use a new "
           "--workdir to start a fresh run.")
-  if (saved.get("dtype") == "float16") != (current.get("dtype") == "float16"):
-    raise CheckpointError(
-        f"the checkpoint in {where} was written with config.dtype={saved.get('dtype')!r}, this run has "
-        f"config.dtype={current.get('dtype')!r}: float16 keeps a loss scale in the state and the other dtypes do "
-        f"not. Resume with --config.dtype={saved.get('dtype')!r}, or use a new --workdir. (float32 and bfloat16 "
-        "can be swapped on resume.)")
-  for field in OPTIMIZER_SWITCHES:
-    if bool(saved.get(field)) != bool(current.get(field)):
+  for field, switch in STATE_SWITCHES.items():
+    if switch(saved.get(field)) != switch(current.get(field)):
       raise CheckpointError(
           f"the checkpoint in {where} was written with config.{field}={saved.get(field)!r}, this run has "
-          f"config.{field}={current.get(field)!r}: switching it on or off changes the optimizer state. Resume "
-          f"with a {'non-zero' if saved.get(field) else 'zero'} value, or use a new --workdir.")
+          f"config.{field}={current.get(field)!r}: that changes what the saved state holds (optimizer state, "
+          f"compression residuals or float16's loss scale). Resume with --config.{field}={saved.get(field)!r}, "
+          "or use a new --workdir.")
 
 
 class Checkpointer:
