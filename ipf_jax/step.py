@@ -277,7 +277,7 @@ def make_fused_bn_fn(model: nn.Module, mesh: jax.sharding.Mesh, particle_loop: s
   stats_model = model.clone(bn_momentum=0.0)  # running statistics := this batch's statistics
 
   def local(state: ParticleState, batch):
-    fused, _ = _fused(state)
+    fused = correction.fuse(state.params, jnp.exp(state.log_weights), PARTICLE)  # its statistics are replaced
     variables = {"params": sharing.merge(fused, state.shared_params),
                  "batch_stats": jax.tree.map(lambda x: jnp.zeros_like(x[0]), state.batch_stats)}
 
