@@ -17,6 +17,9 @@ def get_config():
   config.eval_every_steps = 0          # evaluate every N steps (0 = only at the end)
   config.checkpoint_every_steps = 100  # save the whole state every N steps and at the end (0 = only at the end,
                                        # -1 = never: no resuming)
+  config.checkpoint_every_minutes = 30.0  # also save when this much wall time passed since the last save (for
+                                       # sessions that end without a signal, e.g. Colab; 0 = off)
+  config.time_limit_minutes = 0.0      # stop cleanly (save, exit code 75) after this much wall time (0 = none)
   config.keep_checkpoints = 3          # keep the newest K checkpoints
   config.async_checkpointing = True    # write checkpoints in the background while training goes on
 

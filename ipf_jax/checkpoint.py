@@ -1,114 +1,471 @@
-"""Orbax checkpoints of the whole particle state: save, resume, resharded restore.
+"""Orbax checkpoints of the whole particle state: save, resume, resharded restore (DESIGN.md "Durability").
 
-Layout: ``WORKDIR/checkpoints/<step>/{state,meta}``. Orbax writes each save in a
-temporary directory and renames it when complete, so a save cut off by a crash
-never replaces the last complete checkpoint. A checkpoint that cannot be read
-is moved aside to ``<step>.unreadable`` (kept, never deleted) and the previous
-one is used.
+Layout: ``WORKDIR/checkpoints/<step>/{state,meta}``. Orbax writes each save in
+a temporary directory and renames it when complete, so a save cut off by a
+crash never replaces a complete checkpoint; old checkpoints are deleted only
+after a newer one is committed.
+
+Restoring tells three cases apart and never guesses:
+
+- **incompatible**: the saved state's tree, shapes or dtypes differ from what
+  this run's config builds. The run stops with one error naming the first
+  differing path and the config field(s) that decide it (found by rebuilding
+  the state's shapes with each differing field set back to its saved value,
+  so a new field cannot be forgotten). Nothing is touched.
+- **unreadable**: the checkpoint's own files cannot be read (missing,
+  truncated, undecodable). It is skipped; once an older one restores, the
+  unreadable newer ones are moved aside to ``<step>.unreadable`` (kept) so
+  that training can write those steps again. If none can be read, the run
+  stops with an error listing them and touches nothing.
+- anything else (out of memory, a lost peer): an error naming the checkpoint;
+  nothing is moved.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import gc
+import io
 import json
 import logging
 import os
-from typing import Any, Optional
+import re
+import shutil
+import sys
+import time
+from typing import Callable, Optional
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
+
+from ipf_jax import workdir as workdir_lib
 
 log = logging.getLogger("ipf_jax")
 
-# Fields that fix the shapes or meaning of the saved state: a checkpoint only
-# restores into a run that agrees on them. Device counts and mesh shape may
-# differ (the particle axis is resharded on restore).
-STRUCTURAL_FIELDS = ("dataset", "model", "cnn_features", "num_particles", "grad_accum_steps",
-                     "shared_params")
-# Fields where one side of a switch changes the saved state's structure: the optimizer state
-# (zero vs non-zero), the compression residuals, float16's loss scale. Both runs must be on the same side.
-STATE_SWITCHES = {"momentum": bool, "weight_decay": bool, "grad_clip_norm": bool, "compress_correction": bool,
-                  "dtype": lambda dtype: dtype == "float16"}
+# Fields that change what the saved state means without changing its shapes.
+MEANING_FIELDS = ("dataset",)
+ASIDE_SUFFIX = ".unreadable"
+# Markers of a read failure in the errors orbax and TensorStore raise for damaged files.
+_READ_FAILURES = ("Encountered error while reading array", "DATA_LOSS", "Error reading", "not found",
+                  "NOT_FOUND", "OUT_OF_RANGE", "Unterminated string", "Expecting value", "decompress")
+
+# ... and of failures that say nothing about the files.
+_NOT_DAMAGE = ("RESOURCE_EXHAUSTED", "No space left", "out of memory", "DEADLINE_EXCEEDED", "UNAVAILABLE")
+
+Signature = dict  # {"params/Conv_0/kernel": ((8, 3, 3, 1, 32), "float32"), ...}
 
 
 class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be used by this run; the message says why and what to do."""
+  """A checkpoint that this run cannot use; the message says why and what to do."""
 
 
-def _config_value(config: dict, field: str) -> Any:
-  v = config.get(field)
-  return list(v) if isinstance(v, (tuple, list)) else v
+class SaveError(CheckpointError):
+  """Writing a checkpoint failed (full disk, lost permissions, ...); the older checkpoints are kept."""
 
 
-def check_compatible(saved: dict, config: ml_collections.ConfigDict, where: str) -> None:
-  """Raises ``CheckpointError`` naming the first field that differs in a way the state cannot follow."""
-  current = json.loads(config.to_json())
-  for field in STRUCTURAL_FIELDS:
-    if _config_value(saved, field) != _config_value(current, field):
+def _key_name(k) -> str:
+  for attr in ("name", "key", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def signature(tree) -> Signature:
+  """``{path: (shape, dtype)}`` of every array leaf of a state, an abstract state or orbax tree metadata."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in flat}
+
+
+def _describe(path: str, saved: Signature, current: Signature) -> str:
+  def fmt(entry):
+    return f"{entry[0]} {entry[1]}" if entry else "absent"
+  return f"{path} is {fmt(saved.get(path))} there and {fmt(current.get(path))} here"
+
+
+def _flat_config(config) -> dict:
+  d = config if isinstance(config, dict) else json.loads(config.to_json())
+  return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in d.items()}
+
+
+def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
+                    shapes_for: Callable[[ml_collections.ConfigDict], Signature]) -> list[str]:
+  """Config fields whose saved value, put back alone into ``config``, changes the state's shapes."""
+  saved, current = _flat_config(saved_config), _flat_config(config)
+  base = shapes_for(config)
+  fields = []
+  for field in sorted(set(saved) & set(current)):
+    if saved[field] == current[field]:
+      continue
+    trial = ml_collections.ConfigDict(config.to_dict())
+    value = saved[field]
+    trial[field] = tuple(value) if isinstance(value, list) else value
+    try:
+      if shapes_for(trial) != base:
+        fields.append(field)
+    except Exception:  # noqa: BLE001 - a value this code cannot build a state from says nothing
+      continue
+  return fields
+
+
+def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Signature,
+                     config: ml_collections.ConfigDict, where: str,
+                     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None) -> None:
+  """Raises ``CheckpointError`` when the saved state cannot be restored into this run's state."""
+  saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
+  for field in MEANING_FIELDS:
+    if saved_flat.get(field) != current_flat.get(field):
       raise CheckpointError(
-          f"the checkpoint in {where} was written with config.{field}={saved.get(field)!r}, this run has "
-          f"config.{field}={current.get(field)!r}. Resume with --config.{field}={saved.get(field)!r}, or use a new "
-          "--workdir to start a fresh run.")
-  for field, switch in STATE_SWITCHES.items():
-    if switch(saved.get(field)) != switch(current.get(field)):
-      raise CheckpointError(
-          f"the checkpoint in {where} was written with config.{field}={saved.get(field)!r}, this run has "
-          f"config.{field}={current.get(field)!r}: that changes what the saved state holds (optimizer state, "
-          f"compression residuals or float16's loss scale). Resume with --config.{field}={saved.get(field)!r}, "
-          "or use a new --workdir.")
+          f"the checkpoint in {where} was written with config.{field}={saved_flat.get(field)!r}, this run has "
+          f"config.{field}={current_flat.get(field)!r}. Resume with --config.{field}={saved_flat.get(field)!r}, "
+          "or use a new --workdir to start a fresh run. Nothing was changed.")
+  if saved_sig == current_sig:
+    return
+  differing = sorted((p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),
+                     key=lambda p: (not p.startswith("params/"), p))  # a parameter says it best
+  what = _describe(differing[0], saved_sig, current_sig)
+  if len(differing) > 1:
+    what += f" ({len(differing) - 1} more difference{'s' if len(differing) > 2 else ''})"
+  fields = decisive_fields(saved_config, config, shapes_for) if shapes_for else []
+  if fields:
+    was = ", ".join(f"config.{f}={saved_flat[f]!r}" for f in fields)
+    now = ", ".join(f"config.{f}={current_flat[f]!r}" for f in fields)
+    flags = " ".join(f"--config.{f}={_flag_value(saved_flat[f])}" for f in fields)
+    cause = f"It was written with {was}; this run has {now}. Resume with {flags}, or"
+  else:
+    cause = ("The config fields that shape the state agree, so it was probably written by another version of "
+             "ipf_jax; resume with that version, or")
+  raise CheckpointError(f"the checkpoint in {where} does not fit this run's state: {what}. {cause} use a new "
+                        "--workdir to start a fresh run. Nothing was changed.")
+
+
+def _flag_value(value) -> str:
+  if isinstance(value, list):
+    return "(" + ",".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+  return repr(value) if isinstance(value, str) else str(value)
+
+
+def _unreadable(error: BaseException) -> Optional[str]:
+  """The reason, if ``error`` (or its cause) says the checkpoint's own files cannot be read."""
+  e = error
+  while e is not None:
+    if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, json.JSONDecodeError)):
+      return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    text = str(e)
+    if any(m in text for m in _READ_FAILURES) and not any(m in text for m in _NOT_DAMAGE):
+      arrays = re.findall(r"'path': '([^']+?)/?'", text)  # orbax names the TensorStore array it failed on
+      if arrays:
+        return f"the data of {arrays[-1].replace('.', '/')} cannot be read (a file is missing, truncated or damaged)"
+      return text.strip().splitlines()[0][:200]
+    e = e.__cause__ or e.__context__
+  return None
 
 
 class Checkpointer:
-  """Saves every ``every_steps`` steps (and when asked), keeps the last ``keep``."""
+  """Saves every time it is asked, keeps the newest ``keep``; restores the newest one that can be used.
 
-  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
-    self.directory = epath.Path(workdir) / "checkpoints"
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options, item_names=("state", "meta"))
+  ``read_only`` (``--eval_only``): creates nothing, moves nothing, skips what it cannot read.
+  """
+
+  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
+    self.directory = epath.Path(workdir).absolute() / "checkpoints"
+    self.keep, self.async_save, self.read_only = keep, async_save, read_only
+    self._manager = None  # created at the first save: a run that is refused creates nothing
+    self._pending: Optional[int] = None  # step of the save in flight
+    self._quarantine = _Quarantine()
+
+  # ---- listing -------------------------------------------------------------------------------
+  def steps(self) -> list[int]:
+    """Complete checkpoints (orbax renames a save to its step number when it is complete), ascending."""
+    if not self.directory.is_dir():
+      return []
+    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+  def set_aside(self) -> list[str]:
+    if not self.directory.is_dir():
+      return []
+    return sorted(p.name for p in self.directory.iterdir() if ASIDE_SUFFIX in p.name)
 
   def latest_step(self) -> Optional[int]:
-    return self.manager.latest_step()
+    steps = self.steps()
+    return steps[-1] if steps else None
+
+  # ---- saving --------------------------------------------------------------------------------
+  def _ensure_manager(self) -> ocp.CheckpointManager:
+    if self._manager is None:
+      # max_to_keep is ours (_collect): orbax's garbage collection deletes old steps even when the new save failed.
+      options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=self.async_save,
+                                             create=True)
+      self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+    return self._manager
 
   def save(self, step: int, state, config: ml_collections.ConfigDict) -> None:
+    """Starts saving ``state`` as ``step`` (in the background with ``async_save``); raises ``SaveError`` if
+    this or the previous save failed, or if the disk cannot hold it (checked before writing anything)."""
+    assert not self.read_only
+    manager = self._ensure_manager()
+    self.wait()  # the previous save is committed (or its failure raised) before anything is deleted
+    if step in self.steps():
+      return  # already saved (e.g. a stop right after a periodic save)
+    self._check_space(step, state)
     meta = {"step": int(step), "config": json.loads(config.to_json()), "num_devices": jax.device_count(),
             "num_processes": jax.process_count()}
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
+    self._pending = step
+    self._quarantine.begin()
+    try:
+      manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                   force=True)
+    except Exception as e:  # noqa: BLE001
+      raise self._save_error(step, e) from None
+    if not self.async_save:
+      self.wait()
 
-  def _set_aside(self, step: int, error: Exception) -> None:
-    path = self.directory / str(step)
-    aside = self.directory / f"{step}.unreadable"
-    log.error("checkpoint %s cannot be read (%s: %s); moved to %s, falling back to the previous one",
-              path, type(error).__name__, str(error).splitlines()[0][:300], aside)
-    if jax.process_index() == 0:
-      os.rename(path, aside)
-    multihost_utils.sync_global_devices(f"ipf_jax_set_aside_{step}")
-    self.manager.reload()
+  def poll(self) -> None:
+    """Finishes a background save that has ended: raises ``SaveError`` at once if it failed."""
+    if self._manager is None or self._pending is None:
+      return
+    if not self._manager.is_saving_in_progress():
+      self.wait()
 
-  def restore_latest(self, abstract_state, config: ml_collections.ConfigDict):
-    """The newest readable checkpoint as ``(state, meta)``, resharded onto
-    ``abstract_state``'s shardings, or ``None`` if there is none."""
-    for step in sorted(self.manager.all_steps(), reverse=True):
-      where = str(self.directory / str(step))
-      try:
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-      except Exception as e:  # noqa: BLE001 - any unreadable file means: use the previous checkpoint
-        self._set_aside(step, e)
-        continue
-      check_compatible(meta["config"], config, where)
-      try:
-        state = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))["state"]
-      except Exception as e:  # noqa: BLE001
-        self._set_aside(step, e)
-        continue
-      return state, meta
-    return None
+  def _check_space(self, step: int, state) -> None:
+    """A save needs about as much space as the newest checkpoint (or the state's bytes for the first one)."""
+    steps = self.steps()
+    if steps:
+      needed = sum(os.path.getsize(os.path.join(root, f))
+                   for root, _, files in os.walk(str(self.directory / str(steps[-1]))) for f in files)
+    else:
+      needed = sum(x.nbytes for x in jax.tree.leaves(state))
+    needed = int(needed * 1.05) + (1 << 20)
+    free = shutil.disk_usage(self.directory).free
+    if free < needed:
+      raise self._save_error(step, OSError(errno.ENOSPC, f"about {workdir_lib.size_text(needed)} needed"),
+                             started=False)
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the save in flight; raises ``SaveError`` if it failed; then drops checkpoints beyond ``keep``."""
+    if self._manager is None:
+      return
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as e:  # noqa: BLE001
+      raise self._save_error(self._pending, e) from None
+    if self._pending is not None and self._pending not in self.steps():
+      raise self._save_error(self._pending, RuntimeError("the save did not produce a complete checkpoint"))
+    self._pending = None
+    self._quarantine.release()
+    self._collect()
+
+  def _collect(self) -> None:
+    """Deletes the oldest complete checkpoints beyond ``keep`` (only after the newest is committed)."""
+    self._manager.reload()
+    for step in self.steps()[:-self.keep]:
+      self._manager.delete(step)
+
+  def _save_error(self, step: Optional[int], error: BaseException, started: bool = True) -> SaveError:
+    if started:
+      self._quarantine.keep()
+    cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    e = error
+    while e is not None:
+      if isinstance(e, OSError) and e.errno == errno.ENOSPC or "RESOURCE_EXHAUSTED" in str(e) \
+          or "No space left" in str(e):
+        cause = "no space left on the device" + (f" ({e.strerror})" if isinstance(e, OSError) and e.strerror
+                                                 and e.errno == errno.ENOSPC else "")
+        break
+      if isinstance(e, OSError) and e.strerror:
+        cause = f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+      e = e.__cause__ or e.__context__
+    kept = [s for s in self.steps() if s != step]
+    newest = f"the newest complete checkpoint is step {kept[-1]} (kept)" if kept else "no complete checkpoint exists"
+    return SaveError(f"saving checkpoint {step} to {self.directory} failed: {cause}; "
+                     f"{workdir_lib.free_space(str(self.directory))} there. {newest[0].upper() + newest[1:]}. "
+                     "Free some space (or fix the directory), then rerun the same command to resume.")
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for the save in flight (raising ``SaveError`` if it failed) and releases orbax's threads."""
+    if self._manager is None:
+      return
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+      self._manager = None
+
+  def abandon(self) -> None:
+    """Releases orbax's threads after a failure, without raising."""
+    if self._manager is not None:
+      try:
+        self._manager.close()
+      except Exception:  # noqa: BLE001
+        pass
+      self._manager = None
+
+  # ---- restoring -----------------------------------------------------------------------------
+  def _read(self, step: int):
+    """``(meta, saved signature)`` of one checkpoint, or ``(None, reason)`` if its files cannot be read."""
+    path = self.directory / str(step)
+    with _contained_stderr():
+      try:
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+          meta = ckptr.restore(path / "meta")
+        with ocp.StandardCheckpointer() as ckptr:
+          metadata = ckptr.metadata(path / "state")
+        why = text = None
+      except Exception as e:  # noqa: BLE001
+        why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        if why is not None:
+          return None, why
+    if text is not None:
+      raise CheckpointError(f"cannot read {path}: {text}. The checkpoint was left as it is.")
+    tree = getattr(getattr(metadata, "item_metadata", None), "tree", None)
+    if tree is None or not isinstance(meta, dict) or "config" not in meta:
+      return None, "its metadata (state/_METADATA or meta/metadata) is missing or unreadable"
+    return meta, signature(tree)
+
+  def restore_latest(self, abstract_state, config: ml_collections.ConfigDict,
+                     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None):
+    """The newest usable checkpoint as ``(state, meta)``, resharded onto ``abstract_state``'s shardings;
+    ``None`` when the workdir has no checkpoint at all.
+
+    Raises:
+      CheckpointError: an incompatible checkpoint (nothing touched), every checkpoint unreadable
+        (nothing touched), or a restore that failed for another reason.
+    """
+    steps = self.steps()
+    if not steps:
+      aside = self.set_aside()
+      if aside:
+        raise CheckpointError(
+            f"{self.directory} holds no checkpoint that can be used, only ones set aside earlier as unreadable "
+            f"({', '.join(aside)}). Nothing was changed. To start a new run, use a new --workdir (or move "
+            f"{self.directory} away).")
+      return None
+    current = signature(abstract_state)
+    damaged = []
+    for step in reversed(steps):
+      where = str(self.directory / str(step))
+      state, (meta, saved_or_why) = None, self._read(step)
+      why = None if meta is not None else saved_or_why
+      if why is None:
+        check_compatible(saved_or_why, meta["config"], current, config, where, shapes_for)
+        state, why = self._restore(step, abstract_state)
+      if not _everywhere(why is None):
+        damaged.append((step, why or "another process could not read its part of it"))
+        log.error("checkpoint %s cannot be read (%s)", where, damaged[-1][1])
+        continue
+      for bad, _ in damaged:
+        self._move_aside(bad)
+      return state, meta
+    listing = "; ".join(f"{step}: {why}" for step, why in damaged)
+    raise CheckpointError(
+        f"no checkpoint in {self.directory} can be read ({listing}). Nothing was changed and training did not start "
+        "over. If the files can be recovered, restore them and run again; to start a new run instead, use a new "
+        f"--workdir (or move {self.directory} away).")
+
+  def _restore(self, step: int, abstract_state):
+    """``(state, None)``, or ``(None, reason)`` when the checkpoint's files cannot be read."""
+    where = self.directory / str(step)
+    with _contained_stderr():
+      try:
+        with ocp.StandardCheckpointer() as ckptr:
+          return ckptr.restore(where / "state", abstract_state), None
+      except Exception as e:  # noqa: BLE001
+        why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      _settle()
+    if why is None:
+      raise CheckpointError(f"cannot restore {where}: {text}. The checkpoint was left as it is.")
+    return None, why
+
+  def _move_aside(self, step: int) -> None:
+    path = self.directory / str(step)
+    if self.read_only:
+      log.error("skipping unreadable checkpoint %s (left in place: --eval_only moves nothing)", path)
+      return
+    aside = self.directory / f"{step}{ASIDE_SUFFIX}"
+    n = 1
+    while aside.exists():
+      aside = self.directory / f"{step}{ASIDE_SUFFIX}.{n}"
+      n += 1
+    if jax.process_index() == 0:
+      os.rename(path, aside)
+    log.error("moved the unreadable checkpoint %s to %s (kept, never deleted): training writes step %d again",
+              path, aside.name, step)
+    _sync(f"ipf_jax_set_aside_{step}")
+
+
+@contextlib.contextmanager
+def _contained_stderr():
+  """Holds back what orbax prints while a restore fails (see ``_settle``)."""
+  stderr, hook = sys.stderr, sys.unraisablehook
+  sys.stderr, sys.unraisablehook = io.StringIO(), lambda *args: None
+  try:
+    yield
+  finally:
+    sys.stderr, sys.unraisablehook = stderr, hook
+
+
+def _settle(seconds: float = 2.0) -> None:
+  """Lets a failed restore's leftovers finish inside ``_contained_stderr``.
+
+  orbax gathers one TensorStore read per array; when one fails, the others
+  finish on an event loop that is already closed and each prints a traceback
+  from TensorStore's threads, and each abandoned coroutine an "Exception
+  ignored" when collected: thousands of lines for one damaged file, where the
+  run reports one.
+  """
+  time.sleep(seconds)
+  gc.collect()
+
+
+class _Quarantine:
+  """stderr held back while a background save is in flight (command-line runs only).
+
+  When a save fails (a full disk), orbax's remaining writers each print a
+  traceback from their threads, and each abandoned coroutine another when it
+  is collected: thousands of lines around the one the run reports. While a
+  save is in flight, stderr goes to a buffer; once it is committed the buffer
+  is written out (nothing is lost, only delayed); if it fails, the buffer and
+  everything after it are dropped, and the run's own messages go to stdout and
+  ``sys.__stderr__``. Where something else already owns ``sys.stderr`` (a
+  notebook, pytest), nothing is changed.
+  """
+
+  def __init__(self):
+    self._buffer = None
+
+  def begin(self) -> None:
+    if self._buffer is None and sys.stderr is sys.__stderr__:
+      self._buffer = io.StringIO()
+      sys.stderr = self._buffer
+
+  def release(self) -> None:
+    if self._buffer is not None and sys.stderr is self._buffer:
+      sys.stderr = sys.__stderr__
+      sys.stderr.write(self._buffer.getvalue())
+    self._buffer = None
+
+  def keep(self) -> None:
+    """For good: the rest of the process's stderr is dropped."""
+    if self._buffer is None and sys.stderr is sys.__stderr__:
+      self._buffer = io.StringIO()
+      sys.stderr = self._buffer
+    if self._buffer is not None:
+      sys.unraisablehook = lambda *args: None
+
+
+def _everywhere(ok: bool) -> bool:
+  """``ok`` on every process (one process: ``ok``)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+

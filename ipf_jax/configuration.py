@@ -77,6 +77,11 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   """
   from ipf_jax.data import DATASETS
   from ipf_jax.models import MODELS
+  for field, value in config.items():
+    if isinstance(value, float):
+      _check(math.isfinite(value), field, f"must be a finite number, got {value}")
+  seed = config.seed
+  _check(isinstance(seed, int) and 0 <= seed < 2 ** 32, "seed", f"must be an integer in [0, 2**32), got {seed!r}")
   _check_choice(config, "mode", MODES)
   _check_choice(config, "dataset", DATASETS)
   _check_choice(config, "model", MODELS)
@@ -110,9 +115,14 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
   _check(config.checkpoint_every_steps >= -1, "checkpoint_every_steps",
          f"must be >= 0 (0 = only at the end) or -1 (never), got {config.checkpoint_every_steps}")
+  _check(config.checkpoint_every_minutes >= 0, "checkpoint_every_minutes",
+         f"must be >= 0 (0 = off), got {config.checkpoint_every_minutes}")
+  _check(config.time_limit_minutes >= 0, "time_limit_minutes",
+         f"must be >= 0 (0 = no limit), got {config.time_limit_minutes}")
   _check(config.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {config.keep_checkpoints}")
   _check(config.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0, got {config.eval_every_steps}")
-  _check(len(config.cnn_features) >= 1 and all(int(f) >= 1 for f in config.cnn_features), "cnn_features",
+  _check(len(config.cnn_features) >= 1 and all(isinstance(f, int) and f >= 1 for f in config.cnn_features),
+         "cnn_features",
          f"must be a non-empty list of positive channel counts, got {config.cnn_features!r}")
   _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
   _check(config.num_devices >= 0, "num_devices", f"must be >= 0 (0 = all), got {config.num_devices}")
@@ -169,3 +179,21 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.eval_batch_size % dd == 0 and config.eval_batch_size > 0, "eval_batch_size",
          f"{config.eval_batch_size} must be a positive multiple of the {dd} data devices")
   return dp, dd
+
+
+def validate_data(config: ml_collections.ConfigDict, train_size: int, available_devices: int) -> None:
+  """Checks that one global batch fits in the training set the config selects."""
+  g = config.global_batch_size
+  if train_size >= g:
+    return
+  dp, dd = mesh_lib.mesh_shape(config.num_particles, config.num_devices or available_devices,
+                               config.particle_axis_size)
+  unit = config.num_particles * dd
+  fit = f"at most {train_size}" + (f" (a multiple of {unit}, e.g. {train_size // unit * unit})"
+                                   if train_size >= unit else "")
+  if config.dataset == "digits" and config.train_fraction < 1:
+    raise ConfigError("train_fraction", f"{config.train_fraction} keeps {train_size} training example"
+                      f"{'s' if train_size != 1 else ''}, fewer than one global batch (global_batch_size={g}); raise train_fraction, or lower global_batch_size "
+                      f"to {fit}")
+  raise ConfigError("global_batch_size", f"{g} is larger than the {config.dataset} training set ({train_size} "
+                    f"examples); use {fit}")

@@ -14,22 +14,55 @@ import collections
 import glob
 import os
 import re
+import struct
 
 import numpy as np
 
 
 def read_scalars(workdir: str) -> dict:
-  """``{tag: (steps [n], values [n])}`` from every event file in ``workdir``, sorted by step."""
-  from tensorflow.compat.v1.train import summary_iterator  # TF is already the input pipeline's dependency
+  """``{tag: (steps [n], values [n])}`` from every event file in ``workdir``, sorted by step.
+
+  Files are read oldest first, so a resumed run's values replace those of the
+  steps it repeats. A file whose last record was cut off (a killed run) is
+  read up to that record.
+  """
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"{workdir} does not exist; run train.py with --workdir {workdir} first")
   data = collections.defaultdict(dict)
-  files = sorted(glob.glob(os.path.join(workdir, "events.out.tfevents.*")))
+  files = sorted(glob.glob(os.path.join(workdir, "events.out.tfevents.*")), key=_event_file_order)
   if not files:
     raise FileNotFoundError(f"no TensorBoard event files in {workdir}; run train.py with --workdir {workdir} first")
   for path in files:
-    for event in summary_iterator(path):
+    for event in _events(path):
       for v in event.summary.value:
-        data[v.tag][event.step] = v.simple_value  # a resumed run overwrites the steps it repeats
+        data[v.tag][event.step] = v.simple_value
   return {tag: (np.array(sorted(d)), np.array([d[s] for s in sorted(d)])) for tag, d in data.items()}
+
+
+def _events(path: str):
+  """The ``Event`` records of one TFRecord file, up to the first incomplete or corrupt one.
+
+  (TensorFlow's ``summary_iterator`` raises on a truncated last record and is
+  deprecated; the format is a length, its CRC, the data and its CRC.)
+  """
+  from tensorboardX.proto.event_pb2 import Event
+  from tensorboardX.record_writer import masked_crc32c
+  with open(path, "rb") as f:
+    while True:
+      header = f.read(12)
+      if len(header) < 12 or struct.unpack("<I", header[8:])[0] != masked_crc32c(header[:8]):
+        return
+      (length,) = struct.unpack("<Q", header[:8])
+      data, crc = f.read(length), f.read(4)
+      if len(data) < length or len(crc) < 4 or struct.unpack("<I", crc)[0] != masked_crc32c(data):
+        return
+      yield Event.FromString(data)
+
+
+def _event_file_order(path: str):
+  """Event files are named ``events.out.tfevents.<unix time>.<host>...``: oldest first."""
+  parts = os.path.basename(path).split(".")
+  return (int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0, path)
 
 
 def _indexed(scalars: dict, prefix: str) -> dict:
@@ -131,9 +164,9 @@ def write_report(workdir: str, out: str | None = None) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  scalars = read_scalars(workdir)  # before creating anything: a wrong path creates nothing
   out = out or os.path.join(workdir, "report")
   os.makedirs(out, exist_ok=True)
-  scalars = read_scalars(workdir)
   paths = []
   for name, fn in (("training_curves.png", plot_training_curves), ("weights.png", plot_weights),
                    ("genealogy.png", plot_genealogy), ("eval.png", plot_eval)):
@@ -148,7 +181,14 @@ def main():
   parser.add_argument("workdir")
   parser.add_argument("--out", default=None, help="output folder (default WORKDIR/report)")
   args = parser.parse_args()
-  for p in write_report(args.workdir, args.out):
+  try:
+    paths = write_report(args.workdir, args.out)
+  except FileNotFoundError as e:
+    raise SystemExit(f"error: {e}") from None
+  except OSError as e:
+    raise SystemExit(f"error: cannot write the pictures to {args.out or os.path.join(args.workdir, 'report')} "
+                     f"({e.strerror or e}); choose another --out") from None
+  for p in paths:
     print(p)
 
 

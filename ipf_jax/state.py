@@ -66,27 +66,10 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
                       specs, state_shape, is_leaf=lambda x: isinstance(x, P))
 
 
-def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
-                     input_shape: tuple[int, ...], num_particles: int,
-                     mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = "",
-                     compress: bool = False, dynamic_scale=None):
-  """The sharded abstract state (for restoring) and a jitted function that initialises it.
-
-  Args:
-    rng: PRNG key; particle ``i`` is initialised from ``fold_in(split(rng)[0], i)``,
-      or every particle from ``fold_in(split(rng)[0], 0)`` with ``shared_init``.
-    input_shape: one example's shape, e.g. ``(8, 8, 1)``.
-    shared_init: start all particles from one point (like DDP replicas), so
-      that their weighted average (the fused model) is meaningful; otherwise
-      independent inits as in a deep ensemble.
-    shared_pattern: regex of parameter paths shared by all particles
-      (``sharing.split``); they start from particle 0's init.
-    compress: allocate error-feedback residuals for the compressed correction.
-    dynamic_scale: the initial loss scale for float16 (``optim.create_dynamic_scale``) or None.
-  Returns:
-    ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
-    ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
-  """
+def _init_fn(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation, input_shape: tuple[int, ...],
+             num_particles: int, shared_init: bool = False, shared_pattern: str = "", compress: bool = False,
+             dynamic_scale=None):
+  """``init() -> ParticleState`` (unsharded); see ``train_state_init`` for the arguments."""
   init_rng, run_rng = jax.random.split(rng)
 
   def init_one(key):
@@ -110,10 +93,42 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
                          dynamic_scale=dynamic_scale,
                          num_overflows=None if dynamic_scale is None else jnp.zeros((), jnp.int32))
 
+  return init_all
+
+
+def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
+                     input_shape: tuple[int, ...], num_particles: int,
+                     mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = "",
+                     compress: bool = False, dynamic_scale=None):
+  """The sharded abstract state (for restoring) and a jitted function that initialises it.
+
+  Args:
+    rng: PRNG key; particle ``i`` is initialised from ``fold_in(split(rng)[0], i)``,
+      or every particle from ``fold_in(split(rng)[0], 0)`` with ``shared_init``.
+    input_shape: one example's shape, e.g. ``(8, 8, 1)``.
+    shared_init: start all particles from one point (like DDP replicas), so
+      that their weighted average (the fused model) is meaningful; otherwise
+      independent inits as in a deep ensemble.
+    shared_pattern: regex of parameter paths shared by all particles
+      (``sharing.split``); they start from particle 0's init.
+    compress: allocate error-feedback residuals for the compressed correction.
+    dynamic_scale: the initial loss scale for float16 (``optim.create_dynamic_scale``) or None.
+  Returns:
+    ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
+    ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
+  """
+  init_all = _init_fn(rng, model, tx, input_shape, num_particles, shared_init, shared_pattern, compress,
+                      dynamic_scale)
   shape = jax.eval_shape(init_all)
   shardings = state_shardings(mesh, shape)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, shardings)
   return abstract, jax.jit(init_all, out_shardings=shardings)
+
+
+def _from_config(config, spec) -> dict:
+  """The ``train_state_init`` arguments that the config and the particle spec decide."""
+  return dict(shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress,
+              dynamic_scale=optim.create_dynamic_scale(config))
 
 
 def train_state_init_from_config(config, spec, model: nn.Module, tx: optax.GradientTransformation,
@@ -121,11 +136,11 @@ def train_state_init_from_config(config, spec, model: nn.Module, tx: optax.Gradi
   """``train_state_init`` with everything the config and the particle spec decide: seed, init,
   shared parameters, compression residuals and float16's loss scale."""
   return train_state_init(jax.random.PRNGKey(config.seed), model, tx, input_shape, spec.num_particles, mesh,
-                          shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress,
-                          dynamic_scale=optim.create_dynamic_scale(config))
+                          **_from_config(config, spec))
 
 
-def create_train_state(*args, **kwargs) -> ParticleState:
-  """Initialises ``P`` particles, created directly in their shards (see ``train_state_init``)."""
-  _, init = train_state_init(*args, **kwargs)
-  return init()
+def train_state_shapes(config, spec, model: nn.Module, tx: optax.GradientTransformation,
+                       input_shape: tuple[int, ...]) -> ParticleState:
+  """Shapes and dtypes (``ShapeDtypeStruct`` leaves) of the state ``config`` builds; compiles nothing."""
+  return jax.eval_shape(_init_fn(jax.random.PRNGKey(0), model, tx, input_shape, spec.num_particles,
+                                 **_from_config(config, spec)))

@@ -11,28 +11,52 @@ Scalar tags (read back by ``ipf_jax.report``):
 """
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 import jax
 import numpy as np
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.summary_pb2 import Summary
 
 from ipf_jax import metrics as metrics_lib
 
 
 class SummaryWriter:
-  """Writes nothing on processes other than 0."""
+  """Writes nothing on processes other than 0.
 
-  def __init__(self, workdir: str):
+  Events are written synchronously (tensorboardX's ``EventsWriter``, one event
+  per step) rather than by tensorboardX's background thread, which dies on a
+  full disk and then blocks the caller forever once its queue fills. A write
+  that fails is reported once; training goes on without events.
+  """
+
+  def __init__(self, workdir: str, flush_secs: float = 30.0):
     self._writer = None
+    self._flush_secs, self._last_flush = flush_secs, time.monotonic()
     if jax.process_index() == 0:
-      from tensorboardX import SummaryWriter as _Writer
-      self._writer = _Writer(logdir=workdir, flush_secs=30)
+      self._guard(lambda: setattr(self, "_writer", EventsWriter(os.path.join(workdir, "events"),
+                                                                      filename_suffix=f".{os.getpid()}")), workdir)
+
+  def _guard(self, fn, where: str = "") -> None:
+    try:
+      fn()
+    except OSError as e:
+      self._writer = None
+      print(f"warning: cannot write TensorBoard events{' in ' + where if where else ''} "
+            f"({e.strerror or e}); training goes on without them", file=sys.__stderr__, flush=True)
 
   def scalars(self, step: int, values: dict) -> None:
     if self._writer is None:
       return
-    for tag, v in values.items():
-      v = float(v)
-      if np.isfinite(v):
-        self._writer.add_scalar(tag, v, step)
+    summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()
+                             if np.isfinite(float(v))])
+    event = Event(summary=summary, step=int(step), wall_time=time.time())
+    self._guard(lambda: self._writer.write_event(event))
+    if self._writer is not None and time.monotonic() - self._last_flush > self._flush_secs:
+      self.flush()
 
   def train_step(self, step: int, m: dict, lr: float) -> None:
     """One step's metrics (host numpy ``m`` from the train step)."""
@@ -68,8 +92,10 @@ class SummaryWriter:
 
   def flush(self) -> None:
     if self._writer is not None:
-      self._writer.flush()
+      self._guard(self._writer.flush)
+      self._last_flush = time.monotonic()
 
   def close(self) -> None:
     if self._writer is not None:
-      self._writer.close()
+      self._guard(self._writer.close)
+      self._writer = None

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import os
 import sys
 import time
+from typing import Callable, Optional
 
 import jax
 import ml_collections
@@ -17,22 +19,22 @@ from ipf_jax import export
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
 from ipf_jax import optim
+from ipf_jax import preemption
 from ipf_jax import state as state_lib
 from ipf_jax import step as step_lib
 from ipf_jax import summary
+from ipf_jax import workdir as workdir_lib
 from ipf_jax.data import create_dataset
 from ipf_jax.data import layout
 from ipf_jax.models import create_model
+from ipf_jax.preemption import RunStopped
 
 log = logging.getLogger("ipf_jax")
+WorkdirError = workdir_lib.WorkdirError
 
 
 class NonFiniteError(FloatingPointError):
   """Every particle's loss or gradient became non-finite."""
-
-
-class WorkdirError(OSError):
-  """The workdir cannot be created or written."""
 
 
 def setup_devices(config: ml_collections.ConfigDict) -> None:
@@ -44,22 +46,49 @@ def setup_devices(config: ml_collections.ConfigDict) -> None:
       log.warning("num_cpu_devices=%d not applied: %s", config.num_cpu_devices, e)
 
 
-def setup_logging(workdir: str) -> None:
-  """Progress to stdout and ``workdir/train.log`` (process 0 only)."""
+class _LogFile(logging.FileHandler):
+  """``train.log``; a write that fails (full disk) is reported once, then the file is dropped, not the run."""
+
+  def handleError(self, record):
+    err = sys.exc_info()[1]
+    log.removeHandler(self)
+    print(f"warning: cannot write {self.baseFilename} ({getattr(err, 'strerror', None) or err}); progress goes "
+          "to stdout only", file=sys.stderr, flush=True)
+
+
+def setup_logging(workdir: Optional[str]) -> None:
+  """Progress to stdout and, for a training run, ``workdir/train.log`` (process 0 only).
+
+  ``train.log`` is opened by ``keep_log(workdir)`` once the run is accepted (its checkpoint fits);
+  what was logged before is held until then, so a refused run leaves the file as it was.
+  """
   log.setLevel(logging.INFO)
   log.propagate = False
   for h in list(log.handlers):
     log.removeHandler(h)
+    h.close()
   if jax.process_index() != 0:
     log.addHandler(logging.NullHandler())
     return
   fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
   handlers = [logging.StreamHandler(sys.stdout)]
   if workdir:
-    handlers.append(logging.FileHandler(os.path.join(workdir, "train.log")))
+    handlers.append(logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1))
   for h in handlers:
     h.setFormatter(fmt)
     log.addHandler(h)
+
+
+def keep_log(workdir: str) -> None:
+  """Opens ``workdir/train.log`` and writes to it what was held back (see ``setup_logging``)."""
+  for h in list(log.handlers):
+    if isinstance(h, logging.handlers.MemoryHandler):
+      file_handler = _LogFile(os.path.join(workdir, "train.log"))
+      file_handler.setFormatter(h.formatter)
+      h.setTarget(file_handler)
+      h.flush()
+      log.removeHandler(h)
+      log.addHandler(file_handler)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -79,31 +108,23 @@ def one_program_at_a_time(x):
   return x
 
 
-def evaluate(eval_step, state, dataset, batch_size: int, mesh, fused_bn=None) -> dict:
-  """Every test example exactly once (padded last batch, masked)."""
+class _Interrupted(Exception):
+  """An evaluation cut short by a stop request."""
+
+
+def evaluate(eval_step, state, dataset, batch_size: int, mesh, fused_bn=None,
+             interrupted: Callable[[], bool] = lambda: False) -> dict:
+  """Every test example exactly once (padded last batch, masked); ``interrupted()`` is asked between batches."""
   total = None
   for batch in dataset.eval_batches(batch_size):
+    if interrupted():
+      raise _Interrupted()
     sums = one_program_at_a_time(eval_step(state, layout.put_eval_batch(batch, mesh), fused_bn))
     weights = sums.pop("weights")
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
   results = {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
   results["weights"] = np.asarray(jax.device_get(weights))
   return results
-
-
-def prepare_workdir(workdir: str) -> None:
-  """Creates ``workdir``; its parent must exist and it must be writable."""
-  parent = os.path.dirname(os.path.abspath(workdir))
-  if not os.path.isdir(parent):
-    raise WorkdirError(f"--workdir {workdir}: the parent directory {parent} does not exist; create it first "
-                       "or choose another --workdir")
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise WorkdirError(f"--workdir {workdir}: cannot be created ({e.strerror}); choose a writable location") from None
-  if not os.access(workdir, os.W_OK | os.X_OK) or not os.path.isdir(workdir):
-    raise WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose "
-                       "another --workdir")
 
 
 def format_eval_table(results: dict, shared_init: bool = True) -> str:
@@ -128,58 +149,92 @@ def format_eval_table(results: dict, shared_init: bool = True) -> str:
   return "\n".join(lines)
 
 
-def _check_finite(state, num_particles: int, step: int) -> int:
+
+
+def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -> int:
   """Number of skipped (non-finite) steps; with several particles, any is fatal."""
   skipped = int(state.num_skipped)
   if skipped and num_particles > 1:
+    kept = (f"the newest checkpoint (step {newest}) is kept" if newest is not None
+            else "no checkpoint had been written yet")
     raise NonFiniteError(f"step {step}: every particle's loss or gradient is non-finite. The update was skipped "
-                         "and no checkpoint was written after it; the last good checkpoint is kept. Lower "
-                         "config.base_lr or set config.grad_clip_norm, then run again to resume.")
+                         f"and no checkpoint was written after it; {kept}. Lower config.base_lr or set "
+                         "config.grad_clip_norm, then run again" + (" to resume." if newest is not None else "."))
   return skipped
 
 
 class _Run:
-  """Everything a run needs, built once from the config (shared by training and ``--eval_only``)."""
+  """Everything a run needs, built once from the config (shared by training and ``--eval_only``).
+
+  A training run creates the workdir and holds its lock (process 0) until ``close()``;
+  a reading run (``for_training=False``) needs an existing workdir and creates nothing.
+  """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True):
     setup_devices(config)
     dp, dd = configuration.validate(config, jax.device_count())
-    prepare_workdir(workdir)
-    setup_logging(workdir)
-    if jax.process_index() == 0 and for_training:
-      with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    self.config, self.workdir, self.lock = config, workdir, None
+    setup_logging(None)
+    # Everything that can reject the config runs before the workdir is touched: a refused run creates nothing.
+    self.dataset = create_dataset(config)
+    configuration.validate_data(config, self.dataset.train_size, jax.device_count())
+    if for_training:
+      workdir_lib.prepare(workdir)
+      if jax.process_index() == 0:
+        self.lock = workdir_lib.Lock(workdir)
+        self.lock.acquire()
+      setup_logging(workdir)
+    else:
+      workdir_lib.require_existing(workdir, "--eval_only")
+    try:
+      self._setup(config, dp, dd)
+    except BaseException:
+      self.close()
+      raise
+
+  def _setup(self, config, dp, dd):
     devices = jax.devices()[:config.num_devices or jax.device_count()]
-    self.config, self.workdir = config, workdir
     self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
     self.spec = spec = configuration.particle_spec(config)
     log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
              "batch %d = %d particles x %d", config.mode, spec.num_particles, dp, dd, len(devices),
              devices[0].platform, jax.process_count(), config.global_batch_size, spec.num_particles,
              config.global_batch_size // spec.num_particles)
-    self.dataset = create_dataset(config)
-    self.model = create_model(config, self.dataset.num_classes, bn_axis_name=mesh_lib.DATA)
     self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)
     self.total, warmup = optim.train_steps(config, self.steps_per_epoch)
     self.lr_fn = optim.create_learning_rate_fn(config, self.total, warmup)
-    self.tx = optim.create_optimizer(config, self.lr_fn)
+    self.model, self.tx = self._build(config, self.lr_fn)
     self.abstract_state, self.init_state = state_lib.train_state_init_from_config(
         config, spec, self.model, self.tx, self.dataset.image_shape, self.mesh)
     self.eval_step = step_lib.make_eval_step(self.model, self.mesh, config.particle_loop)
     self.fuse = step_lib.make_fuse_fn(self.mesh)
     self.fused_bn_fn = step_lib.make_fused_bn_fn(self.model, self.mesh, config.particle_loop)
 
-  def restore(self, ckpt):
-    """The newest readable checkpoint's state, or ``None``."""
-    restored = ckpt.restore_latest(self.abstract_state, self.config)
+  def _build(self, config, lr_fn):
+    model = create_model(config, self.dataset.num_classes, bn_axis_name=mesh_lib.DATA)
+    return model, optim.create_optimizer(config, lr_fn)
+
+  def state_signature(self, config: ml_collections.ConfigDict) -> checkpoint_lib.Signature:
+    """The shapes and dtypes of the state that ``config`` builds (on this run's data): what a checkpoint
+    must match. Compiles nothing."""
+    total, warmup = optim.train_steps(config, self.steps_per_epoch)
+    model, tx = self._build(config, optim.create_learning_rate_fn(config, total, warmup))
+    shapes = state_lib.train_state_shapes(config, configuration.particle_spec(config), model, tx,
+                                          self.dataset.image_shape)
+    return checkpoint_lib.signature(shapes)
+
+  def restore(self, ckpt: checkpoint_lib.Checkpointer):
+    """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""
+    restored = ckpt.restore_latest(self.abstract_state, self.config, shapes_for=self.state_signature)
     if restored is None:
+      log.info("starting a new run: no checkpoint in %s", ckpt.directory)
       return None
     state, meta = restored
     log.info("resumed from %s at step %d (written on %d device(s))", ckpt.directory / str(meta["step"]),
              int(state.step), meta["num_devices"])
     return state
 
-  def fused_bn(self, state):
+  def fused_bn(self, state, interrupted: Callable[[], bool] = lambda: False):
     """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
     (the first ones of the run's data order), or ``None`` when that is 0."""
     n = self.config.fused_bn_batches
@@ -189,19 +244,24 @@ class _Run:
     batches = self.dataset.train_batches(0, g, self.config.seed)
     total = None
     for _ in range(n):
+      if interrupted():
+        raise _Interrupted()
       batch = layout.put_train_batch(next(batches), self.spec.num_particles, self.mesh, self.dataset.process_local)
       stats = one_program_at_a_time(self.fused_bn_fn(state, batch))
       total = stats if total is None else jax.tree.map(jax.numpy.add, total, stats)
     return jax.tree.map(lambda x: x / n, total)
 
-  def evaluate(self, state, fused_bn=None) -> dict:
-    return evaluate(self.eval_step, state, self.dataset, self.config.eval_batch_size, self.mesh, fused_bn)
+  def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False) -> dict:
+    return evaluate(self.eval_step, state, self.dataset, self.config.eval_batch_size, self.mesh, fused_bn,
+                    interrupted)
 
-  def finish(self, state, writer=None) -> dict:
-    """Final evaluation table, ``eval_results.json`` and the exported fused model (with re-estimated
-    BatchNorm statistics when ``fused_bn_batches`` > 0)."""
-    fused_bn = self.fused_bn(state)
-    results = self.evaluate(state, fused_bn)
+  def finish(self, state, writer=None, suffix: str = "",
+             interrupted: Callable[[], bool] = lambda: False) -> dict:
+    """Final evaluation table, ``eval_results{suffix}.json`` and the exported fused model
+    ``fused_model{suffix}`` (with re-estimated BatchNorm statistics when ``fused_bn_batches`` > 0).
+    A file that cannot be written (full disk) is reported and skipped: the table is already printed."""
+    fused_bn = self.fused_bn(state, interrupted)
+    results = self.evaluate(state, fused_bn, interrupted)
     step = int(state.step)
     log.info("final evaluation at step %d on %d %s test examples:\n%s", step, self.dataset.test_size,
              self.config.dataset, format_eval_table(results, self.spec.shared_init))
@@ -211,104 +271,198 @@ class _Run:
     if writer is not None:
       writer.eval_results(step, results)
     if jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "eval_results.json"), "w") as f:
-        json.dump({"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, f, indent=1)
-      export.export_fused(variables, self.config, self.dataset.num_classes,
-                          os.path.join(self.workdir, "fused_model"))
+      path = os.path.join(self.workdir, f"eval_results{suffix}.json")
+      try:
+        workdir_lib.write_atomic(path, json.dumps(
+            {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
+        export.export_fused(variables, self.config, self.dataset.num_classes,
+                            os.path.join(self.workdir, f"fused_model{suffix}"))
+      except OSError as e:
+        log.error("could not write %s or the fused model (%s; %s)", path, e.strerror or e,
+                  workdir_lib.free_space(self.workdir))
     return results
+
+  def close(self) -> None:
+    if self.lock is not None:
+      self.lock.release()
+      self.lock = None
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Evaluates the newest checkpoint in ``workdir`` and prints the table (``train.py --eval_only``)."""
+  """Evaluates the newest readable checkpoint in ``workdir`` and prints the table (``train.py --eval_only``).
+
+  Reads only: creates no directory, moves no checkpoint; its results go to
+  ``eval_results.step<N>.json`` and ``fused_model.step<N>.*`` beside the run's own.
+  """
   run = _Run(config, workdir, for_training=False)
-  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
+  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, read_only=True)
   state = run.restore(ckpt)
-  ckpt.close()
   if state is None:
     raise checkpoint_lib.CheckpointError(f"--eval_only: no checkpoint in {ckpt.directory}; train first with the "
                                          f"same --workdir")
-  return run.finish(state)
+  return run.finish(state, suffix=f".step{int(state.step)}")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hook=None) -> dict:
   """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
 
-  Resumes from the newest readable checkpoint in ``workdir/checkpoints`` if
-  there is one. ``step_hook(step, state, batch) -> (state, batch)``, if
-  given, runs before every step (fault-injection tests).
+  Resumes from the newest usable checkpoint in ``workdir/checkpoints``. SIGTERM,
+  SIGINT and ``time_limit_minutes`` stop it after the step in flight with a
+  checkpoint saved (``RunStopped``, with the exit code ``train.py`` uses).
+  ``step_hook(step, state, batch) -> (state, batch)``, if given, runs before
+  every step (fault-injection tests).
   """
-  # ---- setup: mesh, data, model, state ------------------------------------------------------
-  run = _Run(config, workdir)
-  spec, mesh, total = run.spec, run.mesh, run.total
+  with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
+    run = _Run(config, workdir)
+    try:
+      return _train(run, control, step_hook)
+    finally:
+      run.close()
+
+
+def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
+  # ---- state: resume, or start a new run ---------------------------------------------------------
+  config, spec, mesh, total = run.config, run.spec, run.mesh, run.total
   ckpt = None
   state = None
   if config.checkpoint_every_steps >= 0:
-    ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing)
+    ckpt = checkpoint_lib.Checkpointer(run.workdir, keep=config.keep_checkpoints,
+                                       async_save=config.async_checkpointing)
     state = run.restore(ckpt)
+  if jax.process_index() == 0:  # only once the checkpoint is known to fit this config
+    keep_log(run.workdir)
+    workdir_lib.write_atomic(os.path.join(run.workdir, "config.json"), config.to_json(indent=2))
   if state is None:
     state = run.init_state()
+  start = int(state.step)
+  newest = start if ckpt is not None and ckpt.latest_step() == start else None
+  early = control.signal_stop()
+  if early is not None:  # a signal during setup: nothing trained, nothing new to save
+    message = (f"stopped by {early.reason} before training step {start + 1}; nothing new to save"
+               + (f" (newest checkpoint: step {newest})" if newest is not None else ""))
+    log.info(message)
+    raise RunStopped(message, early.exit_code)
   train_step = step_lib.make_train_step(run.model, run.tx, spec, mesh, label_smoothing=config.label_smoothing,
                                         particle_loop=config.particle_loop)
-  writer = summary.SummaryWriter(workdir)
+  writer = summary.SummaryWriter(run.workdir)
+  interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
+  try:
+    state, stop, newest, save_error = _loop(run, control, ckpt, writer, train_step, state, newest, interrupted,
+                                            step_hook)
+    if save_error is not None:
+      # Full disk or lost directory: what was saved stays; still show how the unsaved state does.
+      log.info("a checkpoint could not be saved; evaluating the state in memory (step %d, not saved)",
+               int(state.step))
+      run.finish(state, writer, interrupted=interrupted)
+      raise save_error
+    if stop is not None:
+      saved = ("checkpoint saved" if newest == int(state.step)
+               else "checkpoints are off (checkpoint_every_steps=-1): nothing saved")
+      message = f"stopped at step {int(state.step)} by {stop.reason}; {saved}; rerun the same command to resume"
+      log.info(message)
+      raise RunStopped(message, stop.exit_code)
+    # ---- final evaluation and export (the last checkpoint is committed) -----------------------
+    try:
+      return run.finish(state, writer, interrupted=interrupted)
+    except _Interrupted:
+      stop = control.signal_stop()
+      message = (f"stopped by {stop.reason} during the final evaluation at step {int(state.step)}; the checkpoint is "
+                 "saved; rerun the same command to evaluate it")
+      log.info(message)
+      raise RunStopped(message, stop.exit_code)
+  finally:
+    writer.close()
 
-  # ---- loop ---------------------------------------------------------------------------------
+
+def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupted, step_hook):
+  """Steps until the last one, an agreed stop or a failed save; returns
+  ``(state, stop or None, newest saved step, SaveError or None)``."""
+  config, spec, mesh, total = run.config, run.spec, run.mesh, run.total
   start = int(state.step)
   t_start = t_last = time.perf_counter()
   last_step = start
   pending = []  # per-step metrics still on the device, fetched at the next log step
+  stop = save_error = None
   batches = layout.prefetch(run.dataset.train_batches(start, config.global_batch_size, config.seed),
                             lambda b: layout.put_train_batch(b, spec.num_particles, mesh, run.dataset.process_local))
-  for step in range(start, total):
-    batch = next(batches)
-    if step_hook is not None:
-      state, batch = step_hook(step, state, batch)
-    state, m = one_program_at_a_time(train_step(state, batch))
-    pending.append(m)
-    done = step + 1
-    if done % config.log_every_steps == 0 or done == total:
-      fetched = jax.device_get(pending)
-      pending = []
-      skipped = _check_finite(state, spec.num_particles, done)
-      now = time.perf_counter()
-      rate = (done - last_step) / (now - t_last)
-      for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
-        writer.train_step(k, mk, float(run.lr_fn(k // config.grad_accum_steps)))
-      m = fetched[-1]
-      _, distances = run.fuse(state)
-      distances = np.asarray(distances)
-      writer.scalars(done, {"train/images_per_s": rate * config.global_batch_size,
-                            "train/resamples": int(state.num_resamples),
-                            "train/diversity": float(np.nanmean(distances)),
-                            **{f"particle/diversity/{i}": d for i, d in enumerate(distances)}})
-      w = np.exp(m["log_weights"])
-      loss = metrics_lib.weighted_train_loss(m)
-      eta = (total - done) / rate if done > start + 1 else float("nan")
-      scaling = ""
-      if state.dynamic_scale is not None:
-        scaling = f"  loss scale {float(state.dynamic_scale.scale):g} (overflows {int(state.num_overflows)})"
-      log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
-               "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, done / run.steps_per_epoch, loss,
-               float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
-               spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
-               float(run.lr_fn(done // config.grad_accum_steps)), rate, _fmt_time(eta))
-      t_last, last_step = now, done
-    if ckpt and (done == total or (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0)):
-      _check_finite(state, spec.num_particles, done)
-      ckpt.save(done, state, config)
-    if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
-      results = run.evaluate(state, run.fused_bn(state))
-      writer.eval_results(done, results)
-      log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done, 100 * results["ensemble"]["accuracy"],
-               100 * results["fused"]["accuracy"])
-  batches.close()
-  if total > start:
+  try:
+    for step in range(start, total):
+      batch = next(batches)
+      if step_hook is not None:
+        state, batch = step_hook(step, state, batch)
+      state, m = one_program_at_a_time(train_step(state, batch))
+      pending.append(m)
+      done = step + 1
+      log_step = done % config.log_every_steps == 0 or done == total
+      if log_step:
+        fetched = jax.device_get(pending)
+        pending = []
+        skipped = _check_finite(state, spec.num_particles, done, newest)
+        now = time.perf_counter()
+        rate = (done - last_step) / (now - t_last)
+        for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
+          writer.train_step(k, mk, float(run.lr_fn(k // config.grad_accum_steps)))
+        _log_progress(run, state, fetched[-1], writer, done, start, rate, skipped)
+        t_last, last_step = now, done
+      stop, save_now = control.at_step(done, log_step)
+      periodic = config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
+      if ckpt is not None:
+        try:
+          ckpt.poll()  # a failed background save stops the run at once
+          if done == total or periodic or save_now or stop is not None:
+            _check_finite(state, spec.num_particles, done, newest)
+            ckpt.save(done, state, config)
+            control.saved()
+            newest = done
+        except checkpoint_lib.SaveError as e:
+          log.error("stopping at step %d: %s", done, e)
+          ckpt.abandon()
+          return state, None, ckpt.latest_step(), e
+      if stop is not None:
+        break
+      if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
+        try:
+          results = run.evaluate(state, run.fused_bn(state, interrupted), interrupted)
+        except _Interrupted:
+          continue  # the stop is taken after the next step
+        writer.eval_results(done, results)
+        log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done,
+                 100 * results["ensemble"]["accuracy"], 100 * results["fused"]["accuracy"])
+  finally:
+    batches.close()
+  if ckpt is not None:
+    try:
+      ckpt.close()  # the newest checkpoint is committed before anything else happens
+    except checkpoint_lib.SaveError as e:
+      log.error("stopping at step %d: %s", int(state.step), e)
+      ckpt.abandon()
+      return state, None, ckpt.latest_step(), e
+  writer.flush()
+  done = int(state.step)
+  if done > start:
     elapsed = time.perf_counter() - t_start
-    log.info("trained %d steps in %s (%.1f steps/s)", total - start, _fmt_time(elapsed),
-             (total - start) / max(elapsed, 1e-9))
-  if ckpt:
-    ckpt.close()
+    log.info("trained %d steps in %s (%.1f steps/s)", done - start, _fmt_time(elapsed),
+             (done - start) / max(elapsed, 1e-9))
+  return state, stop, newest, save_error
 
-  # ---- final evaluation and export ----------------------------------------------------------
-  results = run.finish(state, writer)
-  writer.close()
-  return results
+
+def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
+  """The progress line (stdout and train.log) and the log-step scalars."""
+  spec, total, config = run.spec, run.total, run.config
+  _, distances = run.fuse(state)
+  distances = np.asarray(distances)
+  writer.scalars(done, {"train/images_per_s": rate * config.global_batch_size,
+                        "train/resamples": int(state.num_resamples),
+                        "train/diversity": float(np.nanmean(distances)),
+                        **{f"particle/diversity/{i}": d for i, d in enumerate(distances)}})
+  w = np.exp(m["log_weights"])
+  loss = metrics_lib.weighted_train_loss(m)
+  eta = (total - done) / rate if done > start + 1 else float("nan")
+  scaling = ""
+  if state.dynamic_scale is not None:
+    scaling = f"  loss scale {float(state.dynamic_scale.scale):g} (overflows {int(state.num_overflows)})"
+  log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
+           "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, done / run.steps_per_epoch, loss,
+           float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
+           spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
+           float(run.lr_fn(done // config.grad_accum_steps)), rate, _fmt_time(eta))

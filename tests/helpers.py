@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import numpy as np
@@ -95,15 +96,81 @@ def load_checkpoint_numpy(path):
   return jax.tree.map(np.asarray, ckptr.restore(path, target))
 
 
-def run_train_py(workdir, *flags, env=None, timeout=600):
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_py_argv(workdir, *flags):
+  import sys
+  return [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir), *flags]
+
+
+def run_train_py(workdir, *flags, env=None, timeout=600, **kwargs):
   """``python train.py --config configs/digits.py --workdir WORKDIR FLAGS`` as a user runs it."""
   import os
   import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.run([sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir),
-                         *flags], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(train_py_argv(workdir, *flags), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                                                           **(env or {})),
+                        capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+class Running:
+  """A ``train.py`` (or any command) running in the background, its stdout+stderr read line by line."""
+
+  def __init__(self, argv, env=None, **kwargs):
+    import os
+    import subprocess
+    import threading
+    self.lines = []
+    self.proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      self.lines.append(line)
+
+  def wait_for(self, text, timeout=300):
+    """Blocks until a line containing ``text`` appears (returns it) or the process ends (returns None)."""
+    import time
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+      while seen < len(self.lines):
+        if text in self.lines[seen]:
+          return self.lines[seen]
+        seen += 1
+      if self.proc.poll() is not None and seen == len(self.lines):
+        self._reader.join(timeout=5)
+        if seen == len(self.lines):
+          return None
+      time.sleep(0.02)
+    raise TimeoutError(f"no line with {text!r} within {timeout} s:\n{self.output[-3000:]}")
+
+  def signal(self, sig):
+    self.proc.send_signal(sig)
+
+  def finish(self, timeout=300):
+    """Waits for the exit; returns ``(returncode, output)``."""
+    try:
+      self.proc.wait(timeout=timeout)
+    finally:
+      if self.proc.poll() is None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+    self._reader.join(timeout=10)
+    return self.proc.returncode, self.output
+
+  @property
+  def output(self):
+    return "".join(self.lines)
+
+
+def final_table(out):
+  """The rows of the final evaluation table in a run's output."""
+  rest = out[out.index("final evaluation"):].split("\n", 1)[1]
+  return "\n".join(line for line in rest.splitlines() if line and line[0] not in "0123456789" and
+                   not line.startswith(("error", "warning")))
 
 
 def free_port():
@@ -113,24 +180,18 @@ def free_port():
     return s.getsockname()[1]
 
 
-def run_processes(argv, num_processes, timeout=600):
-  """``argv`` once per process on localhost, joined by ``--coordinator_address/--num_processes/
-  --process_id``; every process must exit 0. Returns their outputs (stdout + stderr)."""
-  import os
-  import subprocess
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  port = free_port()
-  procs = [subprocess.Popen([*argv, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
-                             f"--process_id={pid}"], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for pid in range(num_processes)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      p.kill()
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-5000:]
-  return outs
+def start_processes(argv, num_processes, port=None):
+  """``argv`` once per process on localhost, joined by ``--coordinator_address/--num_processes/--process_id``;
+  returns their ``Running`` handles."""
+  port = port or free_port()
+  return [Running([*argv, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
+                   f"--process_id={pid}"]) for pid in range(num_processes)]
+
+
+def run_processes(argv, num_processes, timeout=600, expect=0):
+  """``start_processes`` and wait; every process must exit with ``expect``. Returns their outputs."""
+  procs = start_processes(argv, num_processes)
+  results = [p.finish(timeout) for p in procs]
+  for rc, out in results:
+    assert rc == expect, out[-5000:]
+  return [out for _, out in results]

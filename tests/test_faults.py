@@ -8,6 +8,7 @@ import pytest
 
 from configs import digits
 from ipf_jax import trainer
+from ipf_jax import workdir as workdir_lib
 
 
 def config(**kw):
@@ -68,14 +69,14 @@ def test_ddp_skips_and_counts_a_nonfinite_step(tmp_path, capsys):
 
 def test_workdir_parent_missing(tmp_path):
   with pytest.raises(trainer.WorkdirError, match="parent directory .* does not exist; create it first"):
-    trainer.prepare_workdir(str(tmp_path / "missing" / "run"))
+    workdir_lib.prepare(str(tmp_path / "missing" / "run"))
 
 
 def test_workdir_is_a_file(tmp_path):
   path = tmp_path / "file"
   path.write_text("x")
   with pytest.raises(trainer.WorkdirError, match="cannot be created|is not a writable directory"):
-    trainer.prepare_workdir(str(path))
+    workdir_lib.prepare(str(path))
 
 
 def test_bad_workdir_through_train_py(tmp_path):

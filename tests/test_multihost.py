@@ -64,3 +64,61 @@ def test_two_hosts_equal_one_host_and_elastic_restore(tmp_path):
   out = run_one_host(elastic, 18, devices=8)
   assert f"resumed from {elastic / 'checkpoints' / '14'} at step 14 (written on 4 device(s))" in out
   assert "mesh (particle, data)=(2, 4) on 8 cpu device(s), 1 process(es)" in out
+
+
+def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterrupted(tmp_path):
+  """A preemption notice reaches one host: both save the same step (JAX's preemption sync point) and
+  exit 143; the resumed run ends bit for bit where an uninterrupted one does."""
+  import random
+  import signal
+  steps = 12
+  reference = tmp_path / "reference"
+  out_reference = run_two_hosts(reference, steps)[0]
+  workdir = tmp_path / "preempted"
+  argv = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir), *FLAGS,
+          f"--config.num_train_steps={steps}", "--config.num_cpu_devices=2"]
+  procs = helpers.start_processes(argv, 2)
+  k = random.Random(5).randint(2, 6)
+  assert procs[0].wait_for(f"step {k}/{steps}") is not None
+  procs[1].signal(signal.SIGTERM)
+  results = [p.finish() for p in procs]
+  assert [rc for rc, _ in results] == [143, 143], results[0][1][-3000:]
+  line = next(x for x in results[0][1].splitlines() if "stopped at step" in x)
+  stopped = int(line.split("stopped at step ")[1].split()[0])
+  assert "by SIGTERM (a preemption notice); checkpoint saved" in line and k <= stopped < steps
+  assert os.listdir(workdir / "checkpoints") == [str(stopped)]
+  out = run_two_hosts(workdir, steps)[0]
+  assert f"resumed from {workdir / 'checkpoints' / str(stopped)} at step {stopped}" in out
+  assert helpers.final_table(out) == helpers.final_table(out_reference)
+  jax.tree.map(np.testing.assert_array_equal, final_state(workdir, steps), final_state(reference, steps))
+
+
+def test_a_peer_that_never_starts_ends_the_run_with_one_line(tmp_path):
+  import time
+  port = helpers.free_port()
+  t0 = time.monotonic()
+  r = helpers.run_train_py(tmp_path / "w", "--config.num_cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}",
+                           "--num_processes=2", "--process_id=0", "--startup_timeout=5")
+  assert r.returncode == 69 and time.monotonic() - t0 < 60, r.stdout + r.stderr
+  assert r.stderr.strip().splitlines()[-1].startswith(
+      f"error: not every process of the run connected to the coordinator at 127.0.0.1:{port} within 5 s")
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_dead_peer_ends_the_survivor_within_a_minute(tmp_path):
+  import signal
+  import time
+  argv = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(tmp_path), *FLAGS,
+          "--config.num_train_steps=2000", "--config.num_cpu_devices=2", "--peer_timeout=20"]
+  procs = helpers.start_processes(argv, 2)
+  try:
+    assert procs[0].wait_for("step 5/2000") is not None
+    procs[1].signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    rc, out = procs[0].finish(timeout=120)
+  finally:
+    for p in procs:
+      p.proc.kill()
+  assert rc == 69 and time.monotonic() - t0 <= 60, out[-3000:]
+  (error,) = [line for line in out.splitlines() if line.startswith("error: ")]
+  assert "process" in error and "coordinator 127.0.0.1:" in error and "Rerun every process" in error

@@ -1,5 +1,6 @@
 """What a run leaves in its workdir: TensorBoard events, pictures, --eval_only, the exported fused model."""
 import json
+import os
 
 import jax
 import numpy as np
@@ -66,8 +67,9 @@ def test_eval_only_prints_the_final_table(run):
 
 
 def test_eval_only_without_checkpoint_is_a_clear_error(tmp_path):
-  r = helpers.run_train_py(tmp_path / "empty", "--eval_only")
+  r = helpers.run_train_py(tmp_path, "--eval_only")  # an existing workdir without checkpoints
   assert r.returncode != 0 and "error: --eval_only: no checkpoint in" in r.stderr and "Traceback" not in r.stderr
+  assert os.listdir(tmp_path) == [], "a reader creates nothing"
 
 
 def test_exported_fused_model_reproduces_its_accuracy(run):

@@ -19,6 +19,10 @@ class ArrayDataset:
   process_local = False  # train batches are the whole global batch (each process places its shards)
 
   @property
+  def train_size(self) -> int:
+    return len(self.train_labels)
+
+  @property
   def test_size(self) -> int:
     return len(self.test_labels)
 

@@ -104,6 +104,10 @@ class TFDSDataset:
     except KeyError:  # builders without split metadata (e.g. tfds.testing.mock_data)
       return int(self.builder.as_dataset(split=split).cardinality())
 
+  @property
+  def train_size(self) -> int:
+    return self.num_train
+
   def steps_per_epoch(self, global_batch_size: int) -> int:
     return self.num_train // global_batch_size
 

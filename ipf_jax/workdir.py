@@ -1,0 +1,122 @@
+"""The run's directory: creation, the one-run-per-workdir lock, atomic writes, free-space reports.
+
+Writers (training) create the workdir and hold its lock for the run's life;
+readers (``--eval_only``, the report) need an existing run and create nothing
+but their own result files.
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import shutil
+import socket
+import tempfile
+
+LOCK_FILE = ".lock"
+
+
+class WorkdirError(OSError):
+  """The workdir cannot be used; the message says why and what to do."""
+
+
+def prepare(workdir: str) -> None:
+  """Creates ``workdir`` (its parent must exist) and checks that it is a writable directory."""
+  parent = os.path.dirname(os.path.abspath(workdir))
+  if not os.path.isdir(parent):
+    raise WorkdirError(f"--workdir {workdir}: the parent directory {parent} does not exist; create it first "
+                       "or choose another --workdir")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise WorkdirError(f"--workdir {workdir}: cannot be created ({e.strerror}); choose a writable location") from None
+  if not os.access(workdir, os.W_OK | os.X_OK) or not os.path.isdir(workdir):
+    raise WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose "
+                       "another --workdir")
+
+
+def require_existing(workdir: str, what: str) -> None:
+  """For readers: ``workdir`` must already hold a run (nothing is created)."""
+  if not os.path.isdir(workdir):
+    raise WorkdirError(f"{what}: --workdir {workdir} does not exist; train first with this --workdir, or point "
+                       "--workdir at an existing run")
+
+
+class Lock:
+  """An exclusive OS lock (``flock``) on ``WORKDIR/.lock`` for one run's life.
+
+  The kernel releases it when the holding process exits for any reason
+  (SIGKILL included), so a killed run never blocks the next one. The file
+  holds the holder's host, pid and start time, read back to name it when a
+  second run is refused. (On network filesystems ``flock`` is only as good
+  as the filesystem's lock support.)
+  """
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self._file = None
+
+  def acquire(self) -> None:
+    f = open(self.path, "a+")  # never truncate before holding the lock: the holder's line is in it
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+        f.close()
+        raise WorkdirError(f"cannot lock {self.path} ({e.strerror})") from None
+      f.seek(0)
+      holder = f.read().strip() or "an unknown process"
+      f.close()
+      raise WorkdirError(f"--workdir {os.path.dirname(self.path)} is in use by another run ({holder}); wait for it "
+                         "to finish or stop it, or use another --workdir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}, started "
+            f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+    f.flush()
+    self._file = f
+
+  def release(self) -> None:
+    if self._file is not None:
+      fcntl.flock(self._file, fcntl.LOCK_UN)
+      self._file.close()
+      self._file = None
+
+
+def free_space(path: str) -> str:
+  """``"12.3 MiB free of 3.0 GiB on /mount"`` for the filesystem holding ``path``."""
+  while path and not os.path.exists(path):
+    path = os.path.dirname(path)
+  try:
+    usage = shutil.disk_usage(path or ".")
+  except OSError:
+    return "free space unknown"
+  return f"{size_text(usage.free)} free of {size_text(usage.total)}"
+
+
+def size_text(n: float) -> str:
+  """``1536`` -> ``"1.5 KiB"``."""
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    n /= 1024
+  return ""
+
+
+def write_atomic(path: str, data: bytes | str) -> None:
+  """Writes ``path`` through a temporary file and a rename, so a crash never leaves it half-written."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data.encode() if isinstance(data, str) else data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
+    raise
