@@ -11,36 +11,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipf_jax import builder as build_lib
 from ipf_jax import configuration
-from ipf_jax import mesh as mesh_lib
-from ipf_jax import optim
-from ipf_jax import state as state_lib
-from ipf_jax import step as step_lib
 from ipf_jax.data import layout
-from ipf_jax.models import create_model
 
 
 class Bench:
-  """Model, mesh, abstract state and the jitted train step of ``config`` on this host's devices."""
+  """The run's parts (``build``) for ``config`` on this host's devices, with synthetic batches."""
 
   def __init__(self, config, image_shape, num_classes, spec_changes=None):
-    dp, dd = configuration.validate(config, jax.device_count())
-    devices = jax.devices()[:config.num_devices or jax.device_count()]
     self.config = config
-    self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
-    self.spec = configuration.particle_spec(config)
+    spec = configuration.particle_spec(config)
     if spec_changes:  # e.g. {"resampling": False}: isolate one part of the step
-      self.spec = dataclasses.replace(self.spec, **spec_changes)
-    self.model = create_model(config, num_classes, bn_axis_name=mesh_lib.DATA)
-    total, warmup = optim.train_steps(config, steps_per_epoch=1)
-    self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
-    self.abstract, self.init = state_lib.train_state_init_from_config(config, self.spec, self.model, self.tx,
-                                                                      image_shape, self.mesh)
-    self.train_step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh,
-                                               label_smoothing=config.label_smoothing,
-                                               particle_loop=config.particle_loop)
-    self.image_shape = image_shape
+      spec = dataclasses.replace(spec, **spec_changes)
+    self.image_shape = tuple(image_shape)
     self.num_classes = num_classes
+    example = {"image": np.zeros((1,) + self.image_shape, np.float32), "label": np.zeros((1,), np.int32)}
+    self.parts = build_lib.build(config, build_lib.zoo_task(config, num_classes), example, spec=spec)
+    self.mesh, self.spec, self.tx, self.abstract, self.init = (self.parts.mesh, self.parts.spec, self.parts.tx,
+                                                               self.parts.abstract_state, self.parts.init_state)
+    self.model = self.parts.task.model
+    self.train_step = self.parts.train_step
 
   def synthetic_batch(self, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
@@ -52,7 +43,7 @@ class Bench:
   def batch_abstract(self):
     g, p = self.config.global_batch_size, self.config.num_particles
     shapes = {"image": ((p, g // p) + tuple(self.image_shape), jnp.float32), "label": ((p, g // p), jnp.int32)}
-    return {k: jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(self.mesh, step_lib.BATCH_SPEC[k]))
+    return {k: jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(self.mesh, layout.TRAIN_BATCH_SPEC))
             for k, (s, d) in shapes.items()}
 
   def compiled(self):

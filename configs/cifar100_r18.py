@@ -2,7 +2,10 @@
 
   python train.py --config configs/cifar100_r18.py --workdir runs/cifar100_r18 --config.data_dir=/path/to/tfds
 """
-from configs import cifar10_r18
+try:  # a checkout's configs/ or the copy installed as ipf_jax.configs
+  from configs import cifar10_r18
+except ImportError:
+  from ipf_jax.configs import cifar10_r18
 
 
 def get_config():

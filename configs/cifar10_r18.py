@@ -6,11 +6,11 @@ Needs TFDS's cifar10 prepared in data_dir (`tfds build cifar10`). Not yet run
 by this project; a single ResNet-18 with this recipe is usually reported at
 about 95% test accuracy.
 """
-from configs import default
+from ipf_jax import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.get_config()
   config.dataset = "cifar10"
   config.image_size = 32
   config.model = "resnet18"

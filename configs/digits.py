@@ -6,11 +6,11 @@
 images (fixed 75/25 split). About a minute on a 2-core machine; see
 README.md for the accuracy it reaches.
 """
-from configs import default
+from ipf_jax import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.get_config()
   config.dataset = "digits"
   config.model = "cnn"
   config.num_particles = 8

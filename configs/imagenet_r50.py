@@ -14,11 +14,11 @@ ECE 0.017. On 8 GPUs each particle trains on its own GPU (mesh (8, 1)) with
 (see BENCHMARKS.md for what was measured). GPUs without bfloat16 (V100, T4):
 add --config.dtype=float16 (float16 compute with dynamic loss scaling).
 """
-from configs import default
+from ipf_jax import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.get_config()
   config.dataset = "imagenet2012"
   config.image_size = 224
   config.model = "resnet50"

@@ -1,3 +1,32 @@
-"""ipf-jax: IPF-DDP, data-parallel training of a weighted particle population in JAX."""
+"""ipf-jax: IPF-DDP, data-parallel training of a weighted particle population in JAX.
 
-__version__ = "0.1.0"
+Bring any Flax module, any per-example loss and any data; get an ensemble, a fused model and
+calibrated uncertainty from one SPMD program (DESIGN.md "Library use")::
+
+  import ipf_jax
+  task = ipf_jax.classification(MyModule(num_classes=10))          # or ipf_jax.Task(model, loss, ...)
+  data = ipf_jax.ArrayDataset("mine", train={"image": x, "label": y}, test={"image": xt, "label": yt})
+  config = ipf_jax.default_config()                                 # every field: ipf_jax/defaults.py
+  results = ipf_jax.train_and_evaluate(config, "runs/mine", task=task, data=data)
+
+Public names:
+  Task, classification, gaussian_regression    what is trained and how it is scored (ipf_jax.task)
+  ArrayDataset, Data                           in-memory arrays, or your own batch functions (ipf_jax.data)
+  default_config                               the config schema with defaults (ipf_jax.defaults)
+  train_and_evaluate, evaluate_checkpoint      the trainer (resumable, preemption-safe; ipf_jax.trainer)
+  build, Parts                                 the run's pieces: mesh, state, jitted steps (ipf_jax.builder)
+  load_fused                                   the exported fused model as plain Flax (ipf_jax.fusion)
+"""
+
+__version__ = "0.2.0"
+
+from ipf_jax.builder import Parts, build
+from ipf_jax.data.arrays import ArrayDataset
+from ipf_jax.data.iterators import Data
+from ipf_jax.defaults import get_config as default_config
+from ipf_jax.fusion import load_fused
+from ipf_jax.task import Task, classification, gaussian_regression
+from ipf_jax.trainer import evaluate_checkpoint, train_and_evaluate
+
+__all__ = ["ArrayDataset", "Data", "Parts", "Task", "build", "classification", "default_config",
+           "evaluate_checkpoint", "gaussian_regression", "load_fused", "train_and_evaluate"]

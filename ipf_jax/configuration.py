@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Optional
 
 import ml_collections
 
@@ -42,6 +43,7 @@ class ParticleSpec:
   resampling: bool  # whether the step has the resampling branch at all (ipf mode, P > 1)
   compress: bool = False  # int8 error-feedback exchange of the consensus gradient
   elastic: float = 0.0  # alpha: pull towards the fused parameters after each update
+  particle_loop: str = "vmap"  # how a device runs its local particles: vmap | map | unroll
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -53,8 +55,9 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
                         float(config.correction), float(config.ess_threshold), int(config.resample_every),
                         float(config.jitter), shared, resampling=True,
                         compress=bool(config.compress_correction) and config.correction > 0,
-                        elastic=float(config.elastic_pull))
-  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False)
+                        elastic=float(config.elastic_pull), particle_loop=config.particle_loop)
+  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False,
+                      particle_loop=config.particle_loop)
 
 
 def _check(cond: bool, field: str, message: str):
@@ -75,16 +78,12 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   Raises:
     ConfigError: naming the first field that cannot work.
   """
-  from ipf_jax.data import DATASETS
-  from ipf_jax.models import MODELS
   for field, value in config.items():
     if isinstance(value, float):
       _check(math.isfinite(value), field, f"must be a finite number, got {value}")
   seed = config.seed
   _check(isinstance(seed, int) and 0 <= seed < 2 ** 32, "seed", f"must be an integer in [0, 2**32), got {seed!r}")
   _check_choice(config, "mode", MODES)
-  _check_choice(config, "dataset", DATASETS)
-  _check_choice(config, "model", MODELS)
   _check_choice(config, "lr_scaling", LR_SCALING)
   _check_choice(config, "dtype", DTYPES)
   _check_choice(config, "init", INITS)
@@ -181,10 +180,10 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   return dp, dd
 
 
-def validate_data(config: ml_collections.ConfigDict, train_size: int, available_devices: int) -> None:
+def validate_data(config: ml_collections.ConfigDict, train_size: Optional[int], available_devices: int) -> None:
   """Checks that one global batch fits in the training set the config selects."""
   g = config.global_batch_size
-  if train_size >= g:
+  if train_size is None or train_size >= g:
     return
   dp, dd = mesh_lib.mesh_shape(config.num_particles, config.num_devices or available_devices,
                                config.particle_axis_size)

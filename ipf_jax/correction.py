@@ -1,4 +1,4 @@
-"""Weighted global correction and fusion: psums of weighted particle trees.
+"""Weighted global correction (DESIGN.md §3.3): psums of weighted particle trees.
 
 Inside ``shard_map`` each leaf is the local block ``[L, ...]`` and ``weights``
 the local ``[L]`` normalised weights; the sum over all particles is a local sum
@@ -40,7 +40,3 @@ def correct(grads, weights, strength: float, axis_name: Optional[str] = None):
     return grads
   return mix(grads, weighted_sum(grads, weights, axis_name), strength)
 
-
-def fuse(tree, weights, axis_name: Optional[str] = None):
-  """Fused particle ``sum_i w_i theta_i`` (parameters or BatchNorm statistics)."""
-  return weighted_sum(tree, weights, axis_name)

@@ -137,3 +137,45 @@ def exchange(tree, src, axis_name: str, axis_size: int):
     return recv[my_src_dev, slots]
 
   return jax.tree.map(move, tree)
+
+
+def jitter(params, src, key, sigma: float, axis_name: str):
+  """``theta += sigma * eps`` on the local slots that received a copy (``src[n] != n``).
+
+  Slot ``n``'s noise comes from ``fold_in(key, n)``, leaf ``k`` from ``fold_in(that, k)``: the same on
+  any mesh. Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` blocks.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  num_local = leaves[0].shape[0]
+  first = lax.axis_index(axis_name) * num_local
+  slots = first + jnp.arange(num_local)
+  copied = lax.dynamic_slice_in_dim(src, first, num_local) != slots
+
+  def noise(slot):
+    k = jax.random.fold_in(key, slot)
+    return [jax.random.normal(jax.random.fold_in(k, i), x.shape[1:], x.dtype) for i, x in enumerate(leaves)]
+
+  eps = jax.vmap(noise)(slots)
+  out = [x + sigma * jnp.where(copied.reshape((-1,) + (1,) * (x.ndim - 1)), e, 0) for x, e in zip(leaves, eps)]
+  return jax.tree.unflatten(treedef, out)
+
+
+def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0, axis_name: str = "particle"):
+  """Systematic resampling of the whole population, survivors in place (DESIGN.md §3.5).
+
+  ``u`` from ``fold_in(key, 0)``; ``a = systematic_resample(u, all_log_w)``; slot ``n`` takes particle
+  ``assign_slots(a)[n]`` (``exchange``); copies get ``jitter`` from ``fold_in(key, 1)`` when
+  ``sigma > 0``; weights reset to ``-log P``.
+
+  Args:
+    particle: tuple ``(params, ...)`` of local ``[L, ...]`` trees that move together.
+    log_w: ``[L]`` local log-weights; ``all_log_w``: ``[P]`` all of them (replicated).
+  Returns:
+    ``(particle, uniform log-weights [L], src [P])``.
+  """
+  u = jax.random.uniform(jax.random.fold_in(key, 0))
+  src = assign_slots(systematic_resample(u, all_log_w))
+  params, *rest = exchange(particle, src, axis_name, axis_size)
+  if sigma:
+    params = jitter(params, src, jax.random.fold_in(key, 1), sigma, axis_name)
+  return (params, *rest), jnp.full_like(log_w, -jnp.log(all_log_w.shape[0])), src

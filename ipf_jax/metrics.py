@@ -1,5 +1,5 @@
-"""Classification metrics as additive sums (accuracy, NLL, ECE), so eval
-batches and devices combine with ``+``/``psum`` and finish on the host."""
+"""Metrics as additive sums (classification: accuracy, NLL, ECE; Gaussian regression: NLL, RMSE), so
+eval batches and devices combine with ``+``/``psum`` and finish on the host."""
 from __future__ import annotations
 
 import jax
@@ -48,3 +48,34 @@ def weighted_train_loss(m: dict) -> float:
   """``sum_i w_i loss_i`` over the finite particles of one train step's host metrics."""
   w = np.exp(m["log_weights"])
   return float(np.sum(np.where(m["alive"] > 0, w * np.nan_to_num(m["loss"]), 0.0)))
+
+
+def gaussian_nll(y, mean, sigma):
+  """``-log N(y | mean, sigma^2)`` per example."""
+  return 0.5 * jnp.log(2 * jnp.pi) + jnp.log(sigma) + 0.5 * jnp.square((y - mean) / sigma)
+
+
+def regression_sums(pred, targets, mask):
+  """Sums over the batch of one model's (or one mixture's) Gaussian predictions.
+
+  Args:
+    pred: ``{"log_density": [b], "mean": [b], "second_moment": [b]}``: the log-density of the target
+      and the predictive mean and second moment (a mixture averages the density and the moments).
+    targets: ``[b]``.
+    mask: ``[b]`` 1 for a real example, 0 for padding.
+  Returns:
+    ``count``, ``nll`` (``-log density``), ``squared_error`` of the mean, ``variance`` of the prediction.
+  """
+  mask = mask.astype(jnp.float32)
+  nll = -pred["log_density"]
+  variance = jnp.maximum(pred["second_moment"] - jnp.square(pred["mean"]), 0.0)
+  return {"count": mask.sum(), "nll": (nll * mask).sum(),
+          "squared_error": (jnp.square(targets - pred["mean"]) * mask).sum(), "variance": (variance * mask).sum()}
+
+
+def finalize_regression(sums) -> dict:
+  """NLL, RMSE of the predictive mean, and the mean predictive variance."""
+  sums = jax.tree.map(np.asarray, sums)
+  count = sums["count"]
+  return {"nll": sums["nll"] / count, "rmse": np.sqrt(sums["squared_error"] / count),
+          "mean_variance": sums["variance"] / count}

@@ -4,8 +4,9 @@
 
 Writes training_curves.png (per-particle loss; float16: the loss scale), weights.png (ESS and weights
 over time, resampling events marked), genealogy.png (which slot descends from
-which at each resampling) and eval.png (accuracy, NLL and ECE of every
-particle, the ensembles and the fused model at the last evaluation).
+which at each resampling) and eval.png (the task's metrics, e.g. accuracy, NLL
+and ECE, of every particle, the ensembles and the fused model at the last
+evaluation).
 """
 from __future__ import annotations
 
@@ -144,8 +145,10 @@ def plot_eval(scalars, path, plt):
   models = sorted({t.split("/")[1] for t in scalars if t.startswith("eval/")},
                   key=lambda m: (not m.startswith("particle"),
                                  int(m.split("_")[1]) if m.startswith("particle_") else 0, m))
-  fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-  for ax, metric in zip(axes, ("accuracy", "nll", "ece")):
+  present = {t.split("/")[2] for t in scalars if t.startswith("eval/")}
+  metrics = [m for m in ("accuracy", "nll", "ece", "rmse") if m in present] or sorted(present)[:3] or ["accuracy"]
+  fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4), squeeze=False)
+  for ax, metric in zip(axes[0], metrics):
     vals = [scalars[f"eval/{m}/{metric}"][1][-1] if f"eval/{m}/{metric}" in scalars else np.nan for m in models]
     colors = ["C0" if m.startswith("particle") else "C3" for m in models]
     ax.bar(range(len(models)), vals, color=colors)

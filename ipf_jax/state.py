@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -66,14 +65,14 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
                       specs, state_shape, is_leaf=lambda x: isinstance(x, P))
 
 
-def _init_fn(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation, input_shape: tuple[int, ...],
-             num_particles: int, shared_init: bool = False, shared_pattern: str = "", compress: bool = False,
-             dynamic_scale=None):
+def _init_fn(rng: jax.Array, task, tx: optax.GradientTransformation, example: dict, num_particles: int,
+             shared_init: bool = False, shared_pattern: str = "", compress: bool = False, dynamic_scale=None):
   """``init() -> ParticleState`` (unsharded); see ``train_state_init`` for the arguments."""
   init_rng, run_rng = jax.random.split(rng)
+  example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype), example)
 
   def init_one(key):
-    variables = model.init(key, jnp.zeros((1,) + tuple(input_shape), jnp.float32), train=False)
+    variables = task.init(key, example)
     params, shared = sharing.split(variables["params"], shared_pattern)
     return params, shared, variables.get("batch_stats", {}), tx.init(params)
 
@@ -96,8 +95,7 @@ def _init_fn(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
   return init_all
 
 
-def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
-                     input_shape: tuple[int, ...], num_particles: int,
+def train_state_init(rng: jax.Array, task, tx: optax.GradientTransformation, example: dict, num_particles: int,
                      mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = "",
                      compress: bool = False, dynamic_scale=None):
   """The sharded abstract state (for restoring) and a jitted function that initialises it.
@@ -105,7 +103,8 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
   Args:
     rng: PRNG key; particle ``i`` is initialised from ``fold_in(split(rng)[0], i)``,
       or every particle from ``fold_in(split(rng)[0], 0)`` with ``shared_init``.
-    input_shape: one example's shape, e.g. ``(8, 8, 1)``.
+    task: the ``Task`` whose model is initialised (``task.init``).
+    example: a batch dict (arrays or ``ShapeDtypeStruct``s); only its per-example shapes matter.
     shared_init: start all particles from one point (like DDP replicas), so
       that their weighted average (the fused model) is meaningful; otherwise
       independent inits as in a deep ensemble.
@@ -117,8 +116,7 @@ def train_state_init(rng: jax.Array, model: nn.Module, tx: optax.GradientTransfo
     ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
     ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
   """
-  init_all = _init_fn(rng, model, tx, input_shape, num_particles, shared_init, shared_pattern, compress,
-                      dynamic_scale)
+  init_all = _init_fn(rng, task, tx, example, num_particles, shared_init, shared_pattern, compress, dynamic_scale)
   shape = jax.eval_shape(init_all)
   shardings = state_shardings(mesh, shape)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, shardings)
@@ -131,16 +129,15 @@ def _from_config(config, spec) -> dict:
               dynamic_scale=optim.create_dynamic_scale(config))
 
 
-def train_state_init_from_config(config, spec, model: nn.Module, tx: optax.GradientTransformation,
-                                 input_shape: tuple[int, ...], mesh: jax.sharding.Mesh):
+def train_state_init_from_config(config, spec, task, tx: optax.GradientTransformation, example: dict,
+                                 mesh: jax.sharding.Mesh):
   """``train_state_init`` with everything the config and the particle spec decide: seed, init,
   shared parameters, compression residuals and float16's loss scale."""
-  return train_state_init(jax.random.PRNGKey(config.seed), model, tx, input_shape, spec.num_particles, mesh,
+  return train_state_init(jax.random.PRNGKey(config.seed), task, tx, example, spec.num_particles, mesh,
                           **_from_config(config, spec))
 
 
-def train_state_shapes(config, spec, model: nn.Module, tx: optax.GradientTransformation,
-                       input_shape: tuple[int, ...]) -> ParticleState:
+def train_state_shapes(config, spec, task, tx: optax.GradientTransformation, example: dict) -> ParticleState:
   """Shapes and dtypes (``ShapeDtypeStruct`` leaves) of the state ``config`` builds; compiles nothing."""
-  return jax.eval_shape(_init_fn(jax.random.PRNGKey(0), model, tx, input_shape, spec.num_particles,
+  return jax.eval_shape(_init_fn(jax.random.PRNGKey(0), task, tx, example, spec.num_particles,
                                  **_from_config(config, spec)))

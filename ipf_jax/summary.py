@@ -6,8 +6,8 @@ Scalar tags (read back by ``ipf_jax.report``):
   particle/loss/<i>, particle/weight/<i>, particle/diversity/<i>,
   resample/event (1 at a step that resampled), resample/ancestor/<slot> (at those steps),
   train/loss_scale, train/overflow (float16 only: the step's loss scale, 1 if its gradient overflowed),
-  eval/<model>/<accuracy|nll|ece> with model = ensemble, ensemble_uniform, fused, fused_bn (when
-  fused_bn_batches > 0), particle_<i>.
+  eval/<model>/<metric> (classification: accuracy, nll, ece; Gaussian regression: nll, rmse, ...) with
+  model = ensemble, ensemble_uniform, fused, fused_bn (when fused_bn_batches > 0), particle_<i>.
 """
 from __future__ import annotations
 
@@ -79,15 +79,16 @@ class SummaryWriter:
     self.scalars(step, values)
 
   def eval_results(self, step: int, results: dict) -> None:
+    """``eval/<row>/<metric>`` for every scalar metric of every row; ``eval/particle_<i>/<metric>``."""
     values = {}
-    for model in ("ensemble", "ensemble_uniform", "fused", "fused_bn"):
-      if model not in results:
+    for row, metrics in results.items():
+      if row == "weights":
         continue
-      for metric in ("accuracy", "nll", "ece"):
-        values[f"eval/{model}/{metric}"] = results[model][metric]
-    for metric in ("accuracy", "nll", "ece"):
-      for i, v in enumerate(np.atleast_1d(results["particles"][metric])):
-        values[f"eval/particle_{i}/{metric}"] = v
+      for metric, v in metrics.items():
+        if row == "particles":
+          values.update({f"eval/particle_{i}/{metric}": x for i, x in enumerate(np.atleast_1d(v))})
+        elif np.ndim(v) == 0:
+          values[f"eval/{row}/{metric}"] = v
     self.scalars(step, values)
 
   def flush(self) -> None:

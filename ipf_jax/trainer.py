@@ -1,6 +1,7 @@
 """``train_and_evaluate(config, workdir)``: the training loop, progress and the final table."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import logging.handlers
@@ -13,21 +14,21 @@ import jax
 import ml_collections
 import numpy as np
 
+from ipf_jax import builder as build_lib
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
-from ipf_jax import export
+from ipf_jax import evaluation
+from ipf_jax import fusion
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
-from ipf_jax import optim
+from ipf_jax import models
 from ipf_jax import preemption
-from ipf_jax import state as state_lib
-from ipf_jax import step as step_lib
 from ipf_jax import summary
 from ipf_jax import workdir as workdir_lib
 from ipf_jax.data import create_dataset
 from ipf_jax.data import layout
-from ipf_jax.models import create_model
 from ipf_jax.preemption import RunStopped
+from ipf_jax.task import Task
 
 log = logging.getLogger("ipf_jax")
 WorkdirError = workdir_lib.WorkdirError
@@ -108,49 +109,6 @@ def one_program_at_a_time(x):
   return x
 
 
-class _Interrupted(Exception):
-  """An evaluation cut short by a stop request."""
-
-
-def evaluate(eval_step, state, dataset, batch_size: int, mesh, fused_bn=None,
-             interrupted: Callable[[], bool] = lambda: False) -> dict:
-  """Every test example exactly once (padded last batch, masked); ``interrupted()`` is asked between batches."""
-  total = None
-  for batch in dataset.eval_batches(batch_size):
-    if interrupted():
-      raise _Interrupted()
-    sums = one_program_at_a_time(eval_step(state, layout.put_eval_batch(batch, mesh), fused_bn))
-    weights = sums.pop("weights")
-    total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
-  results = {k: metrics_lib.finalize(v) for k, v in jax.device_get(total).items()}
-  results["weights"] = np.asarray(jax.device_get(weights))
-  return results
-
-
-def format_eval_table(results: dict, shared_init: bool = True) -> str:
-  """One row per particle (with its weight), the two ensembles and the fused model."""
-  weights = results["weights"]
-  rows = [("model", "weight", "accuracy", "NLL", "ECE")]
-  p = results["particles"]
-  for i in range(len(weights)):
-    rows.append((f"particle {i}", f"{weights[i]:.3f}", f"{100 * p['accuracy'][i]:.2f}%", f"{p['nll'][i]:.4f}",
-                 f"{p['ece'][i]:.4f}"))
-  for name, key in (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_uniform"),
-                    ("fused model", "fused"), ("fused model, BN re-estimated", "fused_bn")):
-    if key not in results:
-      continue
-    r = results[key]
-    rows.append((name, "", f"{100 * r['accuracy']:.2f}%", f"{r['nll']:.4f}", f"{r['ece']:.4f}"))
-  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-  lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
-  lines.insert(1, "-" * len(lines[0]))
-  if not shared_init:
-    lines.append("(independent inits: the fused model averages unrelated networks and is not meaningful)")
-  return "\n".join(lines)
-
-
-
-
 def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -> int:
   """Number of skipped (non-finite) steps; with several particles, any is fatal."""
   skipped = int(state.num_skipped)
@@ -164,20 +122,27 @@ def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -
 
 
 class _Run:
-  """Everything a run needs, built once from the config (shared by training and ``--eval_only``).
+  """Everything a run needs, built once (shared by training and ``--eval_only``).
 
-  A training run creates the workdir and holds its lock (process 0) until ``close()``;
-  a reading run (``for_training=False``) needs an existing workdir and creates nothing.
+  Everything that can refuse the config runs before the workdir is touched. A training run then
+  creates the workdir and holds its lock (process 0) until ``close()``; a reading run
+  (``for_training=False``) needs an existing workdir and creates nothing.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True,
+               task: Optional[Task] = None, data=None):
     setup_devices(config)
-    dp, dd = configuration.validate(config, jax.device_count())
+    configuration.validate(config, jax.device_count())
     self.config, self.workdir, self.lock = config, workdir, None
     setup_logging(None)
-    # Everything that can reject the config runs before the workdir is touched: a refused run creates nothing.
-    self.dataset = create_dataset(config)
+    self.dataset = data if data is not None else create_dataset(config)
     configuration.validate_data(config, self.dataset.train_size, jax.device_count())
+    self.zoo = task is None  # the task is the config's (its model follows config.model)
+    self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
+    self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)
+    self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch)
+    self.spec, self.mesh, self.total, self.lr_fn = (self.parts.spec, self.parts.mesh, self.parts.total_steps,
+                                                    self.parts.lr_fn)
     if for_training:
       workdir_lib.prepare(workdir)
       if jax.process_index() == 0:
@@ -186,46 +151,22 @@ class _Run:
       setup_logging(workdir)
     else:
       workdir_lib.require_existing(workdir, "--eval_only")
-    try:
-      self._setup(config, dp, dd)
-    except BaseException:
-      self.close()
-      raise
-
-  def _setup(self, config, dp, dd):
-    devices = jax.devices()[:config.num_devices or jax.device_count()]
-    self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
-    self.spec = spec = configuration.particle_spec(config)
+    dp, dd = self.mesh.shape[mesh_lib.PARTICLE], self.mesh.shape[mesh_lib.DATA]
+    devices = self.mesh.devices.size
     log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
-             "batch %d = %d particles x %d", config.mode, spec.num_particles, dp, dd, len(devices),
-             devices[0].platform, jax.process_count(), config.global_batch_size, spec.num_particles,
-             config.global_batch_size // spec.num_particles)
-    self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)
-    self.total, warmup = optim.train_steps(config, self.steps_per_epoch)
-    self.lr_fn = optim.create_learning_rate_fn(config, self.total, warmup)
-    self.model, self.tx = self._build(config, self.lr_fn)
-    self.abstract_state, self.init_state = state_lib.train_state_init_from_config(
-        config, spec, self.model, self.tx, self.dataset.image_shape, self.mesh)
-    self.eval_step = step_lib.make_eval_step(self.model, self.mesh, config.particle_loop)
-    self.fuse = step_lib.make_fuse_fn(self.mesh)
-    self.fused_bn_fn = step_lib.make_fused_bn_fn(self.model, self.mesh, config.particle_loop)
-
-  def _build(self, config, lr_fn):
-    model = create_model(config, self.dataset.num_classes, bn_axis_name=mesh_lib.DATA)
-    return model, optim.create_optimizer(config, lr_fn)
+             "batch %d = %d particles x %d", config.mode, self.spec.num_particles, dp, dd, devices,
+             self.mesh.devices.flat[0].platform, jax.process_count(), config.global_batch_size,
+             self.spec.num_particles, config.global_batch_size // self.spec.num_particles)
 
   def state_signature(self, config: ml_collections.ConfigDict) -> checkpoint_lib.Signature:
-    """The shapes and dtypes of the state that ``config`` builds (on this run's data): what a checkpoint
-    must match. Compiles nothing."""
-    total, warmup = optim.train_steps(config, self.steps_per_epoch)
-    model, tx = self._build(config, optim.create_learning_rate_fn(config, total, warmup))
-    shapes = state_lib.train_state_shapes(config, configuration.particle_spec(config), model, tx,
-                                          self.dataset.image_shape)
-    return checkpoint_lib.signature(shapes)
+    """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task
+    you brought, with your model): what a checkpoint must match. Compiles nothing."""
+    task = build_lib.zoo_task(config, self.dataset.num_classes) if self.zoo else self.task
+    return checkpoint_lib.signature(build_lib.state_shapes(config, task, self.dataset.example, self.steps_per_epoch))
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer):
     """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""
-    restored = ckpt.restore_latest(self.abstract_state, self.config, shapes_for=self.state_signature)
+    restored = ckpt.restore_latest(self.parts.abstract_state, self.config, shapes_for=self.state_signature)
     if restored is None:
       log.info("starting a new run: no checkpoint in %s", ckpt.directory)
       return None
@@ -234,26 +175,24 @@ class _Run:
              int(state.step), meta["num_devices"])
     return state
 
+  def device_batches(self, start_step: int):
+    """This run's train batches from ``start_step``, laid out and placed on the devices."""
+    return (layout.put_train_batch(b, self.spec.num_particles, self.mesh, self.dataset.process_local)
+            for b in self.dataset.train_batches(start_step, self.config.global_batch_size, self.config.seed))
+
   def fused_bn(self, state, interrupted: Callable[[], bool] = lambda: False):
     """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
     (the first ones of the run's data order), or ``None`` when that is 0."""
     n = self.config.fused_bn_batches
     if not n:
       return None
-    g = self.config.global_batch_size
-    batches = self.dataset.train_batches(0, g, self.config.seed)
-    total = None
-    for _ in range(n):
-      if interrupted():
-        raise _Interrupted()
-      batch = layout.put_train_batch(next(batches), self.spec.num_particles, self.mesh, self.dataset.process_local)
-      stats = one_program_at_a_time(self.fused_bn_fn(state, batch))
-      total = stats if total is None else jax.tree.map(jax.numpy.add, total, stats)
-    return jax.tree.map(lambda x: x / n, total)
+    return fusion.reestimate_bn(self.parts.fused_bn_fn, state, itertools.islice(self.device_batches(0), n),
+                                one_program_at_a_time, interrupted)
 
   def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False) -> dict:
-    return evaluate(self.eval_step, state, self.dataset, self.config.eval_batch_size, self.mesh, fused_bn,
-                    interrupted)
+    return evaluation.evaluate(self.task, self.parts.eval_step, state,
+                               self.dataset.eval_batches(self.config.eval_batch_size), self.config.eval_batch_size,
+                               self.mesh, fused_bn, one_program_at_a_time, interrupted)
 
   def finish(self, state, writer=None, suffix: str = "",
              interrupted: Callable[[], bool] = lambda: False) -> dict:
@@ -263,9 +202,10 @@ class _Run:
     fused_bn = self.fused_bn(state, interrupted)
     results = self.evaluate(state, fused_bn, interrupted)
     step = int(state.step)
-    log.info("final evaluation at step %d on %d %s test examples:\n%s", step, self.dataset.test_size,
-             self.config.dataset, format_eval_table(results, self.spec.shared_init))
-    variables, _ = self.fuse(state)
+    size = self.dataset.test_size
+    log.info("final evaluation at step %d on %s %s test examples:\n%s", step, size if size else "the",
+             self.dataset.name, evaluation.format_table(results, self.task.columns, self.spec.shared_init))
+    variables, _ = self.parts.fuse(state)
     if fused_bn is not None:
       variables = {**variables, "batch_stats": fused_bn}
     if writer is not None:
@@ -275,8 +215,8 @@ class _Run:
       try:
         workdir_lib.write_atomic(path, json.dumps(
             {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
-        export.export_fused(variables, self.config, self.dataset.num_classes,
-                            os.path.join(self.workdir, f"fused_model{suffix}"))
+        fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
+        fusion.export_fused(variables, os.path.join(self.workdir, f"fused_model{suffix}"), fields)
       except OSError as e:
         log.error("could not write %s or the fused model (%s; %s)", path, e.strerror or e,
                   workdir_lib.free_space(self.workdir))
@@ -288,13 +228,14 @@ class _Run:
       self.lock = None
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None,
+                        data=None) -> dict:
   """Evaluates the newest readable checkpoint in ``workdir`` and prints the table (``train.py --eval_only``).
 
   Reads only: creates no directory, moves no checkpoint; its results go to
   ``eval_results.step<N>.json`` and ``fused_model.step<N>.*`` beside the run's own.
   """
-  run = _Run(config, workdir, for_training=False)
+  run = _Run(config, workdir, for_training=False, task=task, data=data)
   ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, read_only=True)
   state = run.restore(ckpt)
   if state is None:
@@ -303,8 +244,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   return run.finish(state, suffix=f".step{int(state.step)}")
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hook=None) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None, data=None,
+                       step_hook=None) -> dict:
   """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
+
+  ``task`` (default: classification with the zoo model ``config.model``) and ``data`` (default:
+  ``create_dataset(config)``; any object with ``train_batches``, ``eval_batches``,
+  ``steps_per_epoch``, ``train_size``, ``test_size``, ``example``, ``name``, see ``ipf_jax.data``)
+  are what a library user brings.
 
   Resumes from the newest usable checkpoint in ``workdir/checkpoints``. SIGTERM,
   SIGINT and ``time_limit_minutes`` stop it after the step in flight with a
@@ -313,7 +260,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, step_hoo
   every step (fault-injection tests).
   """
   with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
-    run = _Run(config, workdir)
+    run = _Run(config, workdir, task=task, data=data)
     try:
       return _train(run, control, step_hook)
     finally:
@@ -333,7 +280,7 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
     keep_log(run.workdir)
     workdir_lib.write_atomic(os.path.join(run.workdir, "config.json"), config.to_json(indent=2))
   if state is None:
-    state = run.init_state()
+    state = run.parts.init_state()
   start = int(state.step)
   newest = start if ckpt is not None and ckpt.latest_step() == start else None
   early = control.signal_stop()
@@ -342,8 +289,7 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
                + (f" (newest checkpoint: step {newest})" if newest is not None else ""))
     log.info(message)
     raise RunStopped(message, early.exit_code)
-  train_step = step_lib.make_train_step(run.model, run.tx, spec, mesh, label_smoothing=config.label_smoothing,
-                                        particle_loop=config.particle_loop)
+  train_step = run.parts.train_step
   writer = summary.SummaryWriter(run.workdir)
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
   try:
@@ -364,7 +310,7 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
     # ---- final evaluation and export (the last checkpoint is committed) -----------------------
     try:
       return run.finish(state, writer, interrupted=interrupted)
-    except _Interrupted:
+    except InterruptedError:
       stop = control.signal_stop()
       message = (f"stopped by {stop.reason} during the final evaluation at step {int(state.step)}; the checkpoint is "
                  "saved; rerun the same command to evaluate it")
@@ -423,7 +369,7 @@ def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupt
       if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
         try:
           results = run.evaluate(state, run.fused_bn(state, interrupted), interrupted)
-        except _Interrupted:
+        except InterruptedError:
           continue  # the stop is taken after the next step
         writer.eval_results(done, results)
         log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done,
@@ -449,7 +395,7 @@ def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupt
 def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
   """The progress line (stdout and train.log) and the log-step scalars."""
   spec, total, config = run.spec, run.total, run.config
-  _, distances = run.fuse(state)
+  _, distances = run.parts.fuse(state)
   distances = np.asarray(distances)
   writer.scalars(done, {"train/images_per_s": rate * config.global_batch_size,
                         "train/resamples": int(state.num_resamples),

@@ -1,8 +1,18 @@
-"""All tests run on 8 fake CPU devices."""
+"""All tests run on 8 fake CPU devices.
+
+Compiled programs are shared through JAX's persistent compilation cache (one
+fresh directory per test session, inherited by the train.py subprocesses): many
+tests compile the same digits step, and a cache hit replaces a compile.
+"""
 import os
 import sys
+import tempfile
 
-import jax
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ipf_jax_tests_cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 jax.config.update("jax_num_cpu_devices", 8)

@@ -7,12 +7,9 @@ import os
 import jax
 import numpy as np
 
-from configs import default
+from ipf_jax import builder as build_lib
 from ipf_jax import configuration
-from ipf_jax import mesh as mesh_lib
-from ipf_jax import optim
-from ipf_jax import state as state_lib
-from ipf_jax import step as step_lib
+from ipf_jax import defaults
 from ipf_jax.data import digits
 from ipf_jax.models import create_model
 
@@ -20,7 +17,7 @@ PER_PARTICLE_BATCH = 8
 
 
 def tiny_config(**overrides):
-  config = default.get_config()
+  config = defaults.get_config()
   config.cnn_features = (4, 8)
   config.warmup_steps = 2
   config.num_train_steps = 20
@@ -49,31 +46,34 @@ def particle_batches(num_particles, num_steps, per_particle=PER_PARTICLE_BATCH, 
 
 
 class Setup:
-  """Model, optimizer, spec, mesh and initial state for ``config`` on a ``(Dp, Dd)`` mesh."""
+  """The run's parts (``build``) for ``config`` on a ``(Dp, Dd)`` mesh, its initial state, and the plain
+  model (no BatchNorm axis) for the reference."""
 
-  def __init__(self, config, dp, dd):
-    devices = jax.devices()[:dp * dd]
+  def __init__(self, config, dp, dd, task=None, example=None):
     config.num_devices = dp * dd
     config.particle_axis_size = dp
     config.global_batch_size = config.num_particles * PER_PARTICLE_BATCH
     assert configuration.validate(config, jax.device_count()) == (dp, dd)
     self.config = config
-    self.mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
-    self.spec = configuration.particle_spec(config)
-    self.model = create_model(config, 10, bn_axis_name=mesh_lib.DATA)
+    self.task = task or build_lib.zoo_task(config, 10)
+    self.parts = build_lib.build(config, self.task, example or digits_data().example)
+    self.mesh, self.spec, self.tx, self.abstract = (self.parts.mesh, self.parts.spec, self.parts.tx,
+                                                    self.parts.abstract_state)
+    self.model = self.task.model
     self.plain_model = create_model(config, 10, bn_axis_name=None)
-    total, warmup = optim.train_steps(config, steps_per_epoch=1)
-    self.tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
-    self.abstract, init = state_lib.train_state_init_from_config(config, self.spec, self.model, self.tx, (8, 8, 1),
-                                                                 self.mesh)
-    self.state = init()
-    step = step_lib.make_train_step(self.model, self.tx, self.spec, self.mesh, particle_loop=config.particle_loop)
+    self.state = self.parts.init_state()
     # One collective program in flight at a time on fake CPU devices (see trainer.one_program_at_a_time).
-    self.train_step = lambda state, batch: jax.block_until_ready(step(state, batch))
+    self.train_step = lambda state, batch: jax.block_until_ready(self.parts.train_step(state, batch))
 
   def put(self, images, labels):
     from ipf_jax.data import layout
-    return layout.put_sharded({"image": images, "label": labels}, step_lib.BATCH_SPEC, self.mesh)
+    return layout.put_sharded({"image": images, "label": labels}, layout.TRAIN_BATCH_SPEC, self.mesh)
+
+  def evaluate(self, state, data, fused_bn=None):
+    from ipf_jax import evaluation
+    bs = self.config.eval_batch_size
+    return evaluation.evaluate(self.task, self.parts.eval_step, state, data.eval_batches(bs), bs, self.mesh, fused_bn,
+                               jax.block_until_ready)
 
   def host_state(self):
     return jax.tree.map(np.array, jax.device_get(self.state))  # writable copies

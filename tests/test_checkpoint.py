@@ -101,7 +101,8 @@ def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
 
   target = helpers.tiny_config(num_particles=8)
   dst = helpers.Setup(target, dp, dd)
-  abstract, _ = state_lib.train_state_init(jax.random.PRNGKey(0), dst.model, dst.tx, (8, 8, 1), 8, dst.mesh)
+  abstract, _ = state_lib.train_state_init(jax.random.PRNGKey(0), dst.task, dst.tx, helpers.digits_data().example, 8,
+                                           dst.mesh)
   restored, meta = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(abstract, target)
   assert meta["num_devices"] == jax.device_count()
   assert restored.params["Dense_0"]["kernel"].sharding.mesh.shape == {"particle": dp, "data": dd}

@@ -56,8 +56,16 @@ def cfg(**kw):
     (dict(train_fraction=0.0), 8, "train_fraction", "(0, 1]"),
     (dict(label_noise=1.0), 8, "label_noise", "[0, 1)"),
     (dict(dataset="cifar10", label_noise=0.1), 8, "train_fraction", "digits dataset only"),
-    (dict(dataset="mnist"), 8, "dataset", "digits, imagenet2012"),
-    (dict(model="vgg16"), 8, "model", "cnn, resnet18"),
+    (dict(temperature=float("inf")), 8, "temperature", "finite number"),
+    (dict(forgetting=float("nan")), 8, "forgetting", "finite number"),
+    (dict(correction=float("nan")), 8, "correction", "finite number"),
+    (dict(elastic_pull=float("inf")), 8, "elastic_pull", "finite number"),
+    (dict(base_lr=float("inf")), 8, "base_lr", "finite number"),
+    (dict(train_fraction=float("nan")), 8, "train_fraction", "finite number"),
+    (dict(seed=-1), 8, "seed", "[0, 2**32)"),
+    (dict(seed=2 ** 32), 8, "seed", "[0, 2**32)"),
+    (dict(checkpoint_every_minutes=-1.0), 8, "checkpoint_every_minutes", ">= 0"),
+    (dict(time_limit_minutes=-1.0), 8, "time_limit_minutes", ">= 0"),
     (dict(dtype="float64"), 8, "dtype", "float32, bfloat16, float16"),
     (dict(loss_scale_init=1000.0), 8, "loss_scale_init", "power of 2"),
     (dict(loss_scale_init=0.5), 8, "loss_scale_init", "power of 2 >= 1"),
@@ -76,6 +84,32 @@ def test_bad_config_names_field_and_fix(overrides, devices, field, hint):
   assert e.value.field == field
   assert str(e.value).startswith(f"config.{field}:")
   assert hint in str(e.value)
+
+
+@pytest.mark.parametrize("field,value,hint", [("dataset", "mnist", "digits, imagenet2012"),
+                                              ("model", "vgg16", "cnn, resnet18")])
+def test_unknown_dataset_or_model_is_refused_where_it_is_built(field, value, hint):
+  """The names are checked by the registries that build them (configuration imports neither)."""
+  from ipf_jax.data import create_dataset
+  from ipf_jax.models import create_model
+  config = cfg(**{field: value})
+  with pytest.raises(ConfigError) as e:
+    create_dataset(config) if field == "dataset" else create_model(config, 10)
+  assert e.value.field == field and hint in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,field,hint", [
+    (dict(global_batch_size=2048), "global_batch_size", "larger than the digits training set (1347 examples); use at "
+                                                        "most 1347 (a multiple of 8, e.g. 1344)"),
+    (dict(train_fraction=0.01, global_batch_size=128), "train_fraction", "0.01 keeps 13 training examples, fewer than "
+                                                                         "one global batch (global_batch_size=128)"),
+])
+def test_one_global_batch_must_fit_in_the_training_set(overrides, field, hint):
+  from ipf_jax.data import create_dataset
+  config = cfg(**overrides)
+  with pytest.raises(ConfigError) as e:
+    configuration.validate_data(config, create_dataset(config).train_size, 8)
+  assert e.value.field == field and hint in str(e.value)
 
 
 def test_every_default_config_is_valid():

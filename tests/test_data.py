@@ -8,15 +8,15 @@ from tests import helpers
 
 def test_digits_split_is_fixed_and_real():
   data = helpers.digits_data()
-  assert data.train_images.shape == (1347, 8, 8, 1) and data.test_images.shape == (450, 8, 8, 1)
-  assert data.train_images.min() == 0.0 and data.train_images.max() == 1.0
+  assert data.train["image"].shape == (1347, 8, 8, 1) and data.test["image"].shape == (450, 8, 8, 1)
+  assert data.train["image"].min() == 0.0 and data.train["image"].max() == 1.0
   from sklearn.datasets import load_digits
   full = load_digits()
   expected = 0.25 * np.bincount(full.target)
-  assert np.all(np.abs(np.bincount(data.test_labels) - expected) <= 1), "stratified 75/25 split"
+  assert np.all(np.abs(np.bincount(data.test["label"]) - expected) <= 1), "stratified 75/25 split"
   x = full.images.reshape(-1, 64) / 16.0
   rows = {r.tobytes() for r in x.astype(np.float32)}
-  assert all(img.reshape(-1).tobytes() in rows for img in data.test_images[:20])
+  assert all(img.reshape(-1).tobytes() in rows for img in data.test["image"][:20])
 
 
 def test_batch_order_depends_only_on_seed_and_step():
@@ -28,7 +28,7 @@ def test_batch_order_depends_only_on_seed_and_step():
   np.testing.assert_array_equal(a["label"], b["label"])
   epoch0 = np.concatenate([data.train_batch(k, 128, 5)["label"] for k in range(per_epoch)])
   assert len(epoch0) == per_epoch * 128
-  seen = np.concatenate([np.nonzero((data.train_images.reshape(1347, -1) ==
+  seen = np.concatenate([np.nonzero((data.train["image"].reshape(1347, -1) ==
                                      img.reshape(1, -1)).all(1))[0][:1]
                          for k in range(2) for img in data.train_batch(k, 128, 5)["image"]])
   assert len(set(seen.tolist())) == 256, "no example twice within an epoch"
@@ -38,14 +38,14 @@ def test_harder_variant_subset_and_symmetric_noise():
   data = helpers.digits_data()
   hard = data.harder(0.2, 0.2)
   n = round(0.2 * 1347)
-  assert len(hard.train_labels) == n and hard.test_images is data.test_images
+  assert len(hard.train["label"]) == n and hard.test["image"] is data.test["image"]
   # recover each kept image's clean label from the original split
-  index = {img.tobytes(): i for i, img in enumerate(data.train_images)}
-  clean = np.array([data.train_labels[index[img.tobytes()]] for img in hard.train_images])
-  flipped = clean != hard.train_labels
+  index = {img.tobytes(): i for i, img in enumerate(data.train["image"])}
+  clean = np.array([data.train["label"][index[img.tobytes()]] for img in hard.train["image"]])
+  flipped = clean != hard.train["label"]
   assert abs(flipped.mean() - 0.2) < 0.06 and flipped.any()
   again = data.harder(0.2, 0.2)
-  np.testing.assert_array_equal(again.train_labels, hard.train_labels)
+  np.testing.assert_array_equal(again.train["label"], hard.train["label"])
 
 
 def test_prefetch_passes_batches_and_errors():

@@ -30,6 +30,7 @@ def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("uninterrupted")
   r = helpers.run_train_py(workdir, *FLAGS)
   assert r.returncode == 0, r.stdout + r.stderr
+  assert f"starting a new run: no checkpoint in {workdir / 'checkpoints'}" in r.stdout
   return workdir, helpers.final_table(r.stdout)
 
 
@@ -44,21 +45,20 @@ def assert_same_run(workdir, out, uninterrupted):
 
 
 def listing(path):
-  """Every file under ``path`` with its size and content hash (but the lock file, which names its holder):
-  what "nothing was touched" compares."""
+  """Every file under ``path`` with its content hash (but the lock file, which names its holder): what
+  "nothing was touched" compares."""
   import hashlib
   return sorted((os.path.relpath(os.path.join(d, f), path),
                  hashlib.sha1(open(os.path.join(d, f), "rb").read()).hexdigest())
                 for d, _, files in os.walk(path) for f in files if f != ".lock")
 
 
-# ---- preemption: SIGTERM / SIGINT at random points, then resume --------------------------------------------------
+# ---- preemption: SIGTERM / SIGINT, then resume ----------------------------------------------------------------
 
-@pytest.mark.parametrize("sig,code,at", [(signal.SIGTERM, 143, "step"), (signal.SIGINT, 130, "step"),
-                                         (signal.SIGTERM, 143, "eval step 10"),
-                                         (signal.SIGTERM, 143, "starting a new run")])
+@pytest.mark.parametrize("sig,code,at", [(signal.SIGTERM, 143, "step"), (signal.SIGINT, 130, "eval step 10")])
 def test_signal_saves_then_resume_equals_uninterrupted(uninterrupted, tmp_path, sig, code, at):
-  """A random step, during the periodic evaluation (with BN re-estimation), and during compilation."""
+  """Through train.py: SIGTERM at a random step; Ctrl-C during the periodic evaluation (with BatchNorm
+  re-estimation)."""
   k = random.Random(f"{sig}{at}").randint(2, STEPS - 3)
   trigger = f"step {k}/{STEPS}" if at == "step" else at
   run = helpers.Running(helpers.train_py_argv(tmp_path, *FLAGS))
@@ -70,40 +70,69 @@ def test_signal_saves_then_resume_equals_uninterrupted(uninterrupted, tmp_path, 
   assert f"{name} received: finishing the step in flight, then saving a checkpoint and stopping" in out
   assert "Traceback" not in out
   line = next(x for x in out.splitlines() if "stopped " in x)
-  if "before training step 1" in line:  # the signal came before the first step ended: nothing to save
-    assert line.endswith(f"stopped by {name} before training step 1; nothing new to save") and at != "step"
-    stopped = None
-  else:
-    stopped = int(line.split("stopped at step ")[1].split()[0])
-    assert line.endswith(f"stopped at step {stopped} by {name}; checkpoint saved; rerun the same command to resume")
-    assert str(stopped) in os.listdir(tmp_path / "checkpoints"), "the stop step itself is saved: nothing lost"
+  stopped = int(line.split("stopped at step ")[1].split()[0])
+  assert line.endswith(f"stopped at step {stopped} by {name}; checkpoint saved; rerun the same command to resume")
+  assert str(stopped) in os.listdir(tmp_path / "checkpoints"), "the stop step itself is saved: nothing lost"
   r = helpers.run_train_py(tmp_path, *FLAGS)
   assert r.returncode == 0, r.stdout + r.stderr
-  if stopped is not None:
-    assert f"resumed from {tmp_path / 'checkpoints' / str(stopped)} at step {stopped}" in r.stdout
+  assert f"resumed from {tmp_path / 'checkpoints' / str(stopped)} at step {stopped}" in r.stdout
   assert_same_run(tmp_path, r.stdout, uninterrupted)
 
 
-def test_signal_during_the_final_evaluation(uninterrupted, tmp_path):
-  """The last checkpoint is committed before the final evaluation; a rerun only evaluates."""
-  run = helpers.Running(helpers.train_py_argv(tmp_path, *FLAGS))
-  assert run.wait_for(f"trained {STEPS} steps") is not None
-  run.signal(signal.SIGTERM)
-  rc, out = run.finish()
-  assert rc in (143, 0), out[-3000:]  # 0: the evaluation was already done when the signal came
-  if rc == 143:
-    assert "during the final evaluation at step 30; the checkpoint is saved" in out
-  r = helpers.run_train_py(tmp_path, *FLAGS)
-  assert r.returncode == 0 and "trained" not in r.stdout, "nothing is trained again"
-  assert_same_run(tmp_path, r.stdout, uninterrupted)
+def small_config(**kw):
+  from configs import digits
+  config = digits.get_config()
+  config.num_train_steps, config.log_every_steps, config.checkpoint_every_steps = 12, 1, 5
+  config.eval_batch_size = 150
+  for k, v in kw.items():
+    config[k] = v
+  return config
+
+
+@pytest.fixture(scope="module")
+def in_process_reference(tmp_path_factory):
+  from ipf_jax import trainer
+  workdir = tmp_path_factory.mktemp("in_process")
+  return workdir, trainer.train_and_evaluate(small_config(), str(workdir))
+
+
+def test_signal_during_compilation_and_during_the_final_evaluation(in_process_reference, tmp_path, monkeypatch):
+  """A signal before the first step has compiled: that step ends, is saved, the run stops. A signal
+  during the final evaluation (BN re-estimation): the last checkpoint is already committed; a rerun
+  only evaluates. Both end where the uninterrupted run ends."""
+  from ipf_jax import preemption
+  from ipf_jax import trainer
+  reference_dir, reference = in_process_reference
+
+  def signal_first(step, state, batch):
+    if step == 0:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return state, batch
+
+  with pytest.raises(preemption.RunStopped, match=r"stopped at step 1 by SIGTERM; checkpoint saved") as e:
+    trainer.train_and_evaluate(small_config(), str(tmp_path), step_hook=signal_first)
+  assert e.value.exit_code == 143 and os.listdir(tmp_path / "checkpoints") == ["1"]
+
+  original = trainer._Run.fused_bn
+
+  def signal_then_fused_bn(self, state, interrupted):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return original(self, state, interrupted)
+
+  with monkeypatch.context() as m:
+    m.setattr(trainer._Run, "fused_bn", signal_then_fused_bn)
+    with pytest.raises(preemption.RunStopped, match="during the final evaluation at step 12; the checkpoint is saved"):
+      trainer.train_and_evaluate(small_config(fused_bn_batches=1), str(tmp_path))
+  results = trainer.train_and_evaluate(small_config(), str(tmp_path))
+  for row in ("ensemble", "fused"):
+    np.testing.assert_array_equal(results[row]["nll"], reference[row]["nll"])
+  jax.tree.map(np.testing.assert_array_equal, state_at(tmp_path, 12), state_at(reference_dir, 12))
 
 
 def test_time_limit_and_wall_clock_saves(tmp_path):
-  from configs import digits
   from ipf_jax import preemption
   from ipf_jax import trainer
-  config = digits.get_config()
-  config.num_train_steps, config.log_every_steps, config.checkpoint_every_steps = 40, 1, 0
+  config = small_config(num_train_steps=40, checkpoint_every_steps=0)
   config.checkpoint_every_minutes = 1e-9  # every log step is due
   config.time_limit_minutes = 1e-9
   with pytest.raises(preemption.RunStopped, match="stopped at step 1 by time_limit_minutes") as e:
@@ -166,11 +195,6 @@ def test_every_checkpoint_unreadable_stops_and_touches_nothing(uninterrupted, tm
   assert listing(workdir) == before and len(r.stderr.splitlines()) == 1
 
 
-def test_new_run_says_so(tmp_path):
-  r = helpers.run_train_py(tmp_path / "new", "--config.num_train_steps=2", "--config.checkpoint_every_steps=0")
-  assert r.returncode == 0 and f"starting a new run: no checkpoint in {tmp_path / 'new' / 'checkpoints'}" in r.stdout
-
-
 # ---- one run per workdir --------------------------------------------------------------------------------------
 
 def test_second_run_on_a_workdir_is_refused_naming_the_holder(tmp_path):
@@ -185,9 +209,10 @@ def test_second_run_on_a_workdir_is_refused_naming_the_holder(tmp_path):
   finally:
     first.signal(signal.SIGKILL)
     first.finish()
-  # The kernel released the dead run's lock: the next run goes on from its checkpoints (or starts).
-  r = helpers.run_train_py(tmp_path, "--config.num_train_steps=3", "--config.checkpoint_every_steps=0")
-  assert r.returncode == 0, r.stdout + r.stderr
+  from ipf_jax import workdir as workdir_lib
+  lock = workdir_lib.Lock(str(tmp_path))  # the kernel released the killed run's lock: the next run may start
+  lock.acquire()
+  lock.release()
 
 
 # ---- readers tolerate what writers leave; they create nothing ----------------------------------------------------
@@ -246,7 +271,7 @@ def _tmpfs(path, megabytes):
 def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
   """tmpfs: the disk fills before a save (caught before anything is written). file_size: writes fail in the
   middle of a background save (RLIMIT_FSIZE), the failure path a disk filled by someone else takes."""
-  flags = ("--config.num_train_steps=40", "--config.checkpoint_every_steps=10", "--config.log_every_steps=10",
+  flags = ("--config.num_train_steps=30", "--config.checkpoint_every_steps=10", "--config.log_every_steps=10",
            "--config.keep_checkpoints=1")
   if limit == "tmpfs":
     mount = _tmpfs(tmp_path / "mnt", 9)
@@ -282,7 +307,7 @@ def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
 @pytest.mark.parametrize("flags,message", [
     (["--config.temperature=inf"], "error: config.temperature: must be a finite number, got inf"),
     (["--config.seed=-1"], "error: config.seed: must be an integer in [0, 2**32), got -1"),
-    (["--config.foo=1"], "error: --config.foo=1: the config has no field 'foo'; configs/default.py lists every"),
+    (["--config.foo=1"], "error: --config.foo=1: the config has no field 'foo'; ipf_jax/defaults.py lists every"),
     (["--config.temprature=3"], "error: --config.temprature=3: the config has no field 'temprature'; did you mean "
                                 "--config.temperature?"),
     (["--config.train_fraction=0.001", "--config.global_batch_size=2048"],
@@ -295,10 +320,8 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, flags, message):
 
 
 def test_divergence_without_checkpoint_says_so(tmp_path):
-  from configs import digits
   from ipf_jax import trainer
-  config = digits.get_config()
-  config.num_train_steps, config.log_every_steps, config.checkpoint_every_steps = 6, 1, 0
+  config = small_config(num_train_steps=6, checkpoint_every_steps=0)
 
   def hook(step, state, batch):
     return state, (dict(batch, image=batch["image"] * np.nan) if step == 2 else batch)

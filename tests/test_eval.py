@@ -3,8 +3,6 @@ import jax
 import numpy as np
 import pytest
 
-from ipf_jax import step as step_lib
-from ipf_jax import trainer
 from tests import helpers
 
 
@@ -39,10 +37,9 @@ def test_eval_matches_numpy(dp, dd, p, loop):
   state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, s.state))
 
   data = helpers.digits_data()
-  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), state, data, config.eval_batch_size,
-                             s.mesh)
+  results = s.evaluate(state, data)
 
-  x, y = data.test_images, data.test_labels
+  x, y = data.test["image"], data.test["label"]
   apply = jax.jit(lambda v: jax.nn.softmax(s.plain_model.apply(v, x, train=False)))
   variables = lambda i: {"params": jax.tree.map(lambda a: a[i], host.params),
                          "batch_stats": jax.tree.map(lambda a: a[i], host.batch_stats)}
@@ -86,7 +83,7 @@ def test_fused_bn_statistics_match_plain_computation(dp, dd, p, loop):
     s.state, _ = s.train_step(s.state, s.put(images, labels))
   host = s.host_state()
   images, labels = batches[3]
-  got = jax.device_get(step_lib.make_fused_bn_fn(s.model, s.mesh, loop)(s.state, s.put(images, labels)))
+  got = jax.device_get(s.parts.fused_bn_fn(s.state, s.put(images, labels)))
 
   w = np.exp(host.log_weights.astype(np.float64))
   fused = jax.tree.map(lambda a: np.tensordot(w, a, axes=1).astype(np.float32), host.params)
@@ -104,10 +101,8 @@ def test_fused_bn_statistics_match_plain_computation(dp, dd, p, loop):
   helpers.assert_close(got, jax.tree.map(lambda *xs: np.mean(xs, axis=0), *[sh["batch_stats"] for sh in shards]))
 
   data = helpers.digits_data()
-  results = trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), s.state, data, config.eval_batch_size,
-                             s.mesh, fused_bn=got)
-  probs = jax.nn.softmax(s.plain_model.apply({"params": fused, "batch_stats": got}, data.test_images, train=False))
-  for metric, value in numpy_metrics(np.asarray(probs, np.float64), data.test_labels).items():
+  results = s.evaluate(s.state, data, fused_bn=got)
+  probs = jax.nn.softmax(s.plain_model.apply({"params": fused, "batch_stats": got}, data.test["image"], train=False))
+  for metric, value in numpy_metrics(np.asarray(probs, np.float64), data.test["label"]).items():
     np.testing.assert_allclose(results["fused_bn"][metric], value, rtol=1e-4, atol=1e-5, err_msg=metric)
-  assert "fused_bn" not in trainer.evaluate(step_lib.make_eval_step(s.model, s.mesh, loop), s.state, data,
-                                            config.eval_batch_size, s.mesh)
+  assert "fused_bn" not in s.evaluate(s.state, data)

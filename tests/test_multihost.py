@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from tests import helpers
 
@@ -37,60 +38,62 @@ def final_state(workdir, step):
   return helpers.load_checkpoint_numpy(workdir / "checkpoints" / str(step) / "state")
 
 
-def test_two_hosts_equal_one_host_and_elastic_restore(tmp_path):
-  single, multi = tmp_path / "single", tmp_path / "multi"
-  out_single = run_one_host(single, 10, devices=4)
-  out_hosts = run_two_hosts(multi, 10)
+STEPS = 24  # room for the preemption sync point, which lags a signal by about a second
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """A 2-host run and a 1-host 4-device run of the same config, never interrupted."""
+  single, multi = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("multi")
+  return single, run_one_host(single, STEPS, devices=4), multi, run_two_hosts(multi, STEPS)
+
+
+def test_two_hosts_equal_one_host_and_elastic_restore(runs, tmp_path):
+  single, out_single, multi, out_hosts = runs
   assert "on 4 cpu device(s), 2 process(es)" in out_hosts[0]
   assert "final evaluation" in out_hosts[0] and "final evaluation" not in out_hosts[1], "only process 0 logs"
-  assert not (multi / "train.log").read_text().count("step 1/10") > 1
+  assert not (multi / "train.log").read_text().count(f"step 1/{STEPS}") > 1
 
   lines_single, lines_multi = step_lines(out_single), step_lines(out_hosts[0])
-  assert lines_single.shape == (10, 3)
+  assert lines_single.shape == (STEPS, 3)
   np.testing.assert_allclose(lines_multi, lines_single, atol=2e-4)
-  a, b = final_state(single, 10), final_state(multi, 10)
+  a, b = final_state(single, STEPS), final_state(multi, STEPS)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
-  assert int(a.step if hasattr(a, "step") else a["step"]) == 10
 
   # Elastic: the 4-device checkpoint goes on on 2 hosts x 2 devices, then back on one host with 8 devices.
   elastic, reference = tmp_path / "elastic", tmp_path / "reference"
   shutil.copytree(single, elastic)
   shutil.copytree(single, reference)
-  out = run_two_hosts(elastic, 14)[0]
-  assert f"resumed from {elastic / 'checkpoints' / '10'} at step 10 (written on 4 device(s))" in out
-  run_one_host(reference, 14, devices=4)
+  out = run_two_hosts(elastic, STEPS + 4)[0]
+  assert f"resumed from {elastic / 'checkpoints' / str(STEPS)} at step {STEPS} (written on 4 device(s))" in out
+  run_one_host(reference, STEPS + 4, devices=4)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
-               final_state(elastic, 14), final_state(reference, 14))
-  out = run_one_host(elastic, 18, devices=8)
-  assert f"resumed from {elastic / 'checkpoints' / '14'} at step 14 (written on 4 device(s))" in out
+               final_state(elastic, STEPS + 4), final_state(reference, STEPS + 4))
+  out = run_one_host(elastic, STEPS + 8, devices=8)
+  assert f"resumed from {elastic / 'checkpoints' / str(STEPS + 4)} at step {STEPS + 4} (written on 4 device(s))" in out
   assert "mesh (particle, data)=(2, 4) on 8 cpu device(s), 1 process(es)" in out
 
 
-def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterrupted(tmp_path):
+def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterrupted(runs, tmp_path):
   """A preemption notice reaches one host: both save the same step (JAX's preemption sync point) and
-  exit 143; the resumed run ends bit for bit where an uninterrupted one does."""
-  import random
+  exit 143; the resumed run ends bit for bit where the uninterrupted one does."""
   import signal
-  steps = 12
-  reference = tmp_path / "reference"
-  out_reference = run_two_hosts(reference, steps)[0]
-  workdir = tmp_path / "preempted"
-  argv = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir), *FLAGS,
-          f"--config.num_train_steps={steps}", "--config.num_cpu_devices=2"]
+  _, _, reference, out_reference = runs
+  argv = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(tmp_path), *FLAGS,
+          f"--config.num_train_steps={STEPS}", "--config.num_cpu_devices=2"]
   procs = helpers.start_processes(argv, 2)
-  k = random.Random(5).randint(2, 6)
-  assert procs[0].wait_for(f"step {k}/{steps}") is not None
+  assert procs[0].wait_for(f"step 2/{STEPS}") is not None
   procs[1].signal(signal.SIGTERM)
   results = [p.finish() for p in procs]
   assert [rc for rc, _ in results] == [143, 143], results[0][1][-3000:]
   line = next(x for x in results[0][1].splitlines() if "stopped at step" in x)
   stopped = int(line.split("stopped at step ")[1].split()[0])
-  assert "by SIGTERM (a preemption notice); checkpoint saved" in line and k <= stopped < steps
-  assert os.listdir(workdir / "checkpoints") == [str(stopped)]
-  out = run_two_hosts(workdir, steps)[0]
-  assert f"resumed from {workdir / 'checkpoints' / str(stopped)} at step {stopped}" in out
-  assert helpers.final_table(out) == helpers.final_table(out_reference)
-  jax.tree.map(np.testing.assert_array_equal, final_state(workdir, steps), final_state(reference, steps))
+  assert "by SIGTERM (a preemption notice); checkpoint saved" in line and 2 <= stopped < STEPS
+  assert os.listdir(tmp_path / "checkpoints") == [str(stopped)]
+  out = run_two_hosts(tmp_path, STEPS)[0]
+  assert f"resumed from {tmp_path / 'checkpoints' / str(stopped)} at step {stopped}" in out
+  assert helpers.final_table(out) == helpers.final_table(out_reference[0])
+  jax.tree.map(np.testing.assert_array_equal, final_state(tmp_path, STEPS), final_state(reference, STEPS))
 
 
 def test_a_peer_that_never_starts_ends_the_run_with_one_line(tmp_path):

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from ipf_jax import export
+import ipf_jax
 from ipf_jax import report
 from tests import helpers
 
@@ -76,12 +76,12 @@ def test_exported_fused_model_reproduces_its_accuracy(run):
   """The export carries the re-estimated BatchNorm statistics (the run sets fused_bn_batches)."""
   workdir, out = run
   assert "fused model, BN re-estimated" in table(out)
-  model, variables = export.load_fused(str(workdir / "fused_model"))
+  model, variables = ipf_jax.load_fused(str(workdir / "fused_model"))
   data = helpers.digits_data()
-  logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, data.test_images)
-  accuracy = float(np.mean(np.argmax(logits, -1) == data.test_labels))
+  logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, data.test["image"])
+  accuracy = float(np.mean(np.argmax(logits, -1) == data.test["label"]))
   logp = jax.nn.log_softmax(logits)
-  nll = -float(np.mean(np.asarray(logp)[np.arange(len(data.test_labels)), data.test_labels]))
+  nll = -float(np.mean(np.asarray(logp)[np.arange(len(data.test["label"])), data.test["label"]]))
   expected = json.load(open(workdir / "eval_results.json"))["fused_bn"]
   assert accuracy == pytest.approx(expected["accuracy"], abs=1e-9)
   assert nll == pytest.approx(expected["nll"], rel=1e-4)

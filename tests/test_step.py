@@ -85,7 +85,8 @@ def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
                                resample_every=2, particle_loop=loop)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert [r["resampled"] for r in refr] == [False, True, False, True]
-  assert_same_run(s, ref, spmd, refr)
+  # correction=1 with base_lr 0.5 for 4 steps: float32 reduction-order noise reaches ~2e-5 on small weights.
+  assert_same_run(s, ref, spmd, refr, atol=4e-5)
 
 
 @pytest.mark.parametrize("dp,dd,p,alpha", [(4, 2, 8, 0.2), (8, 1, 16, 0.2), (1, 8, 2, 0.2), (2, 4, 4, 1.0)])

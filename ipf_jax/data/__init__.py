@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import ml_collections
 
+from ipf_jax.configuration import ConfigError
+
 TFDS_DATASETS = ("imagenet2012", "cifar10", "cifar100")
 DATASETS = ("digits",) + TFDS_DATASETS
 
 
 def create_dataset(config: ml_collections.ConfigDict):
-  """An object with ``num_classes``, ``image_shape``, ``test_size``, ``process_local``,
-  ``steps_per_epoch(G)``, ``train_batches(start_step, G, seed)`` and ``eval_batches(n)``."""
+  """The dataset ``config.dataset`` names. Every dataset (and ``ArrayDataset``, ``Data`` for your own)
+  has ``name``, ``num_classes``, ``train_size``, ``test_size``, ``example`` (one example per field),
+  ``process_local``, ``steps_per_epoch(G)``, ``train_batches(start_step, G, seed)`` and
+  ``eval_batches(n)``."""
   if config.dataset == "digits":
     from ipf_jax.data import digits
     data = digits.load()
@@ -24,4 +28,4 @@ def create_dataset(config: ml_collections.ConfigDict):
     from ipf_jax.data import tfds_input  # imports TensorFlow: only for TFDS datasets
     return tfds_input.TFDSDataset(config.dataset, config.data_dir or None, config.image_size,
                                   shuffle_buffer=config.shuffle_buffer, small_images=config.dataset != "imagenet2012")
-  raise ValueError(f"config.dataset: unknown dataset {config.dataset!r}; use one of {', '.join(DATASETS)}")
+  raise ConfigError("dataset", f"unknown dataset {config.dataset!r}; use one of {', '.join(DATASETS)}")

@@ -1,8 +1,12 @@
-"""An in-memory dataset whose batch order is a pure function of (seed, step)."""
+"""In-memory data whose batch order is a pure function of (seed, step): a dict of arrays per split.
+
+``ArrayDataset(name, train={"image": X, "label": y}, test={...})`` takes any
+keys and shapes (images and labels, regression inputs and targets, videos).
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -10,28 +14,33 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class ArrayDataset:
   name: str
-  train_images: np.ndarray  # [N, H, W, C] float32
-  train_labels: np.ndarray  # [N] int32
-  test_images: np.ndarray
-  test_labels: np.ndarray
-  num_classes: int
+  train: dict  # {field: [N, ...] array}
+  test: dict
+  num_classes: Optional[int] = None  # classification only
 
   process_local = False  # train batches are the whole global batch (each process places its shards)
 
+  def __post_init__(self):
+    for split in ("train", "test"):
+      sizes = {k: len(v) for k, v in getattr(self, split).items()}
+      if len(set(sizes.values())) != 1:
+        raise ValueError(f"{self.name}: the {split} arrays have different lengths {sizes}")
+
   @property
   def train_size(self) -> int:
-    return len(self.train_labels)
+    return len(next(iter(self.train.values())))
 
   @property
   def test_size(self) -> int:
-    return len(self.test_labels)
+    return len(next(iter(self.test.values())))
 
   @property
-  def image_shape(self) -> tuple[int, ...]:
-    return tuple(self.train_images.shape[1:])
+  def example(self) -> dict:
+    """One training example of each field, ``[1, ...]`` (what a model is initialised from)."""
+    return {k: v[:1] for k, v in self.train.items()}
 
   def steps_per_epoch(self, global_batch_size: int) -> int:
-    return len(self.train_labels) // global_batch_size
+    return self.train_size // global_batch_size
 
   def train_batch(self, step: int, global_batch_size: int, seed: int) -> dict:
     """The ``global_batch_size`` examples of ``step``: epoch ``e`` is a fresh
@@ -43,22 +52,23 @@ class ArrayDataset:
     per_epoch = self.steps_per_epoch(global_batch_size)
     if per_epoch == 0:
       raise ValueError(f"config.global_batch_size: {global_batch_size} is larger than the {self.name} training "
-                       f"set ({len(self.train_labels)} examples); use a smaller batch")
+                       f"set ({self.train_size} examples); use a smaller batch")
     epoch, i = divmod(step, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(len(self.train_labels))
+    order = np.random.default_rng([seed, epoch]).permutation(self.train_size)
     idx = order[i * global_batch_size:(i + 1) * global_batch_size]
-    return {"image": self.train_images[idx], "label": self.train_labels[idx]}
+    return {k: v[idx] for k, v in self.train.items()}
 
   def harder(self, train_fraction: float, label_noise: float, seed: int = 0) -> "ArrayDataset":
     """A fixed random ``train_fraction`` of the training set, with ``label_noise`` of its labels
-    replaced by a uniformly drawn *other* class (symmetric noise). The test set is untouched."""
+    replaced by a uniformly drawn *other* class (symmetric noise; classification). The test set is
+    untouched."""
     rng = np.random.default_rng([seed, 7919])
-    n = len(self.train_labels)
-    keep = np.sort(rng.permutation(n)[:max(1, round(train_fraction * n))])
-    labels = self.train_labels[keep].copy()
+    keep = np.sort(rng.permutation(self.train_size)[:max(1, round(train_fraction * self.train_size))])
+    train = {k: v[keep] for k, v in self.train.items()}
+    labels = train["label"].copy()
     noisy = rng.random(len(labels)) < label_noise
     labels[noisy] = (labels[noisy] + rng.integers(1, self.num_classes, noisy.sum())) % self.num_classes
-    return dataclasses.replace(self, train_images=self.train_images[keep], train_labels=labels.astype(np.int32))
+    return dataclasses.replace(self, train={**train, "label": labels.astype(np.int32)})
 
   def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
     """``train_batch`` for ``start_step, start_step + 1, ...``."""
@@ -68,13 +78,6 @@ class ArrayDataset:
       step += 1
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    """Test batches of exactly ``batch_size``; the last is zero-padded with ``mask = 0``."""
-    n = len(self.test_labels)
-    for start in range(0, n, batch_size):
-      stop = min(start + batch_size, n)
-      pad = batch_size - (stop - start)
-      mask = np.concatenate([np.ones(stop - start, np.float32), np.zeros(pad, np.float32)])
-      yield {"image": np.concatenate([self.test_images[start:stop],
-                                      np.zeros((pad,) + self.image_shape, self.test_images.dtype)]),
-             "label": np.concatenate([self.test_labels[start:stop], np.zeros(pad, self.test_labels.dtype)]),
-             "mask": mask}
+    """Test batches of at most ``batch_size`` (the evaluation pads and masks the last one)."""
+    for start in range(0, self.test_size, batch_size):
+      yield {k: v[start:start + batch_size] for k, v in self.test.items()}

@@ -1,4 +1,11 @@
-"""Host batches to global device arrays in the per-particle layout (DESIGN.md §2)."""
+"""Host batches to global device arrays in the per-particle layout (DESIGN.md §2).
+
+A batch is a dict of arrays with any keys and shapes. Train batches are laid
+out ``[P, B, ...]`` and sharded ``P("particle", "data")``: particle ``i``
+trains on the ``i``-th of ``P`` equal shards of the global batch, split over
+the devices of its group. Eval batches (with a ``mask``) are sharded over
+``"data"`` and seen by every particle.
+"""
 from __future__ import annotations
 
 import queue
@@ -7,8 +14,12 @@ from typing import Callable, Iterator
 
 import jax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ipf_jax.step import BATCH_SPEC, EVAL_BATCH_SPEC
+from ipf_jax.mesh import DATA, PARTICLE
+
+TRAIN_BATCH_SPEC = P(PARTICLE, DATA)  # for every array of a train batch
+EVAL_BATCH_SPEC = P(DATA)  # for every array of an eval batch
 
 
 def particle_layout(batch: dict, num_particles: int) -> dict:
@@ -16,9 +27,10 @@ def particle_layout(batch: dict, num_particles: int) -> dict:
   return {k: v.reshape((num_particles, v.shape[0] // num_particles) + v.shape[1:]) for k, v in batch.items()}
 
 
-def put_sharded(batch: dict, specs: dict, mesh: jax.sharding.Mesh) -> dict:
-  """Global host arrays to global device arrays; each process materialises only its own shards."""
-  return {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, specs[k]), lambda idx, v=v: v[idx])
+def put_sharded(batch: dict, spec: P, mesh: jax.sharding.Mesh) -> dict:
+  """Global host arrays to global device arrays sharded ``spec``; each process materialises only its own
+  shards."""
+  return {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda idx, v=v: v[idx])
           for k, v in batch.items()}
 
 
@@ -35,7 +47,7 @@ def put_local_train_batch(batch: dict, num_particles: int, mesh: jax.sharding.Me
   for k, v in batch.items():
     global_batch = v.shape[0] * jax.process_count()
     global_shape = (num_particles, global_batch // num_particles) + v.shape[1:]
-    sharding = NamedSharding(mesh, BATCH_SPEC[k])
+    sharding = NamedSharding(mesh, TRAIN_BATCH_SPEC)
     local = v.reshape(_local_block_shape(sharding, global_shape))
     out[k] = jax.make_array_from_process_local_data(sharding, local, global_shape)
   return out
@@ -46,7 +58,7 @@ def put_train_batch(batch: dict, num_particles: int, mesh: jax.sharding.Mesh, pr
   batch or (``process_local``) from this process's part of it."""
   if process_local:
     return put_local_train_batch(batch, num_particles, mesh)
-  return put_sharded(particle_layout(batch, num_particles), BATCH_SPEC, mesh)
+  return put_sharded(particle_layout(batch, num_particles), TRAIN_BATCH_SPEC, mesh)
 
 
 def put_eval_batch(batch: dict, mesh: jax.sharding.Mesh) -> dict:

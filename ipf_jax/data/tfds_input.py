@@ -108,6 +108,11 @@ class TFDSDataset:
   def train_size(self) -> int:
     return self.num_train
 
+  @property
+  def example(self) -> dict:
+    """One example's fields, ``[1, ...]`` (what a model is initialised from)."""
+    return {"image": np.zeros((1,) + self.image_shape, np.float32), "label": np.zeros((1,), np.int32)}
+
   def steps_per_epoch(self, global_batch_size: int) -> int:
     return self.num_train // global_batch_size
 
@@ -155,22 +160,18 @@ class TFDSDataset:
         step += 1
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    """The whole eval split (every process reads all of it), padded to ``batch_size`` with a mask."""
+    """The whole eval split (every process reads all of it) in batches of at most ``batch_size`` (the
+    evaluation pads and masks the last one)."""
     tf = _tf()
     name, size, small = self.name, self.image_size, self.small_images
 
     def preprocess(example):
       image = example["image"]
       image = tf.image.resize(image, (size, size)) if small else _center_crop(tf, image, size)
-      return {"image": _normalize(tf, image, name), "label": tf.cast(example["label"], tf.int32),
-              "mask": tf.constant(1.0, tf.float32)}
+      return {"image": _normalize(tf, image, name), "label": tf.cast(example["label"], tf.int32)}
 
     ds = self.builder.as_dataset(split=EVAL_SPLIT[self.name], shuffle_files=False)
     ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(batch_size).prefetch(2)
     for batch in ds:
-      batch = {k: v.numpy() for k, v in batch.items()}
-      pad = batch_size - len(batch["label"])
-      if pad:
-        batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
-      yield batch
+      yield {k: v.numpy() for k, v in batch.items()}

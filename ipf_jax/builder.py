@@ -1,0 +1,82 @@
+"""One builder of a run's pieces from a config and a task: the trainer, the tests and the benchmarks share it.
+
+  parts = build(config, task, example_batch)
+  state = parts.init_state()
+  state, metrics = parts.train_step(state, device_batch)
+
+``zoo_task(config, num_classes)`` is the classification task of the model zoo
+(``config.model``, label smoothing, BatchNorm synchronised over ``"data"``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import ml_collections
+import optax
+
+from ipf_jax import configuration
+from ipf_jax import evaluation
+from ipf_jax import fusion
+from ipf_jax import mesh as mesh_lib
+from ipf_jax import optim
+from ipf_jax import state as state_lib
+from ipf_jax import step as step_lib
+from ipf_jax.task import Task, classification
+
+
+@dataclasses.dataclass
+class Parts:
+  """Everything a run of ``config`` on ``task`` needs, built once (nothing is compiled yet)."""
+  config: ml_collections.ConfigDict
+  task: Task
+  mesh: jax.sharding.Mesh
+  spec: configuration.ParticleSpec
+  total_steps: int
+  lr_fn: optax.Schedule
+  tx: optax.GradientTransformation
+  abstract_state: Any  # ShapeDtypeStruct leaves with their NamedShardings (for restoring)
+  init_state: Callable[[], Any]
+  train_step: Callable
+  eval_step: Callable
+  fuse: Callable
+  fused_bn_fn: Callable
+
+
+def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
+  """Classification with the zoo model ``config.model`` (SyncBN over ``"data"``) and ``label_smoothing``."""
+  from ipf_jax.models import create_model
+  return classification(create_model(config, num_classes, bn_axis_name=mesh_lib.DATA),
+                        label_smoothing=config.label_smoothing)
+
+
+def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1,
+          devices: Optional[Sequence[jax.Device]] = None, spec: Optional[configuration.ParticleSpec] = None) -> Parts:
+  """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
+
+  Args:
+    example: a batch dict (arrays or ``ShapeDtypeStruct``s) with the fields the model reads.
+    steps_per_epoch: for ``num_epochs`` / ``warmup_epochs``.
+    devices: default ``jax.devices()[:config.num_devices or all]``.
+    spec: override of ``configuration.particle_spec(config)`` (benchmarks isolate parts of the step).
+  """
+  devices = list(devices or jax.devices()[:config.num_devices or jax.device_count()])
+  dp, _ = configuration.validate(config, len(devices))
+  mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
+  spec = spec or configuration.particle_spec(config)
+  total, warmup = optim.train_steps(config, steps_per_epoch)
+  lr_fn = optim.create_learning_rate_fn(config, total, warmup)
+  tx = optim.create_optimizer(config, lr_fn)
+  abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh)
+  return Parts(config=config, task=task, mesh=mesh, spec=spec, total_steps=total, lr_fn=lr_fn, tx=tx,
+               abstract_state=abstract, init_state=init, train_step=step_lib.make_train_step(task, tx, spec, mesh),
+               eval_step=evaluation.make_eval_step(task, mesh, spec.particle_loop), fuse=fusion.make_fuse_fn(mesh),
+               fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop))
+
+
+def state_shapes(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1):
+  """The shapes and dtypes of the state ``config`` builds for ``task`` (no mesh, nothing compiled)."""
+  total, warmup = optim.train_steps(config, steps_per_epoch)
+  tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
+  return state_lib.train_state_shapes(config, configuration.particle_spec(config), task, tx, example)

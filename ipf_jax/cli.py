@@ -1,0 +1,146 @@
+"""The ``train.py`` / ``ipf-train`` command: flags -> ``trainer.train_and_evaluate``.
+
+  ipf-train --config configs/digits.py --workdir runs/digits      # == python train.py ...
+  ipf-train --workdir runs/digits --config.num_particles=1        # plain DDP (default config: digits)
+
+Exit codes: 0 finished; 1 error (one line "error: ..."); 2 bad command line;
+69 a peer process did not start or was lost; 75 stopped at
+config.time_limit_minutes; 130 stopped by SIGINT; 143 stopped by SIGTERM or a
+preemption notice. After 75, 130 and 143 a checkpoint is saved: rerun the same
+command to resume.
+"""
+import difflib
+import logging
+import os
+import re
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from ipf_jax import checkpoint
+from ipf_jax import cluster
+from ipf_jax import configuration
+from ipf_jax import preemption
+from ipf_jax import trainer
+from ipf_jax import workdir
+from ipf_jax.data.errors import DataError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", "runs/digits", "Directory for checkpoints, logs, config and results; "
+                    "an existing one is resumed.")
+flags.DEFINE_bool("eval_only", False, "Evaluate the newest checkpoint in --workdir and print the table; no training. "
+                  "Writes eval_results.step<N>.json beside the run's results and changes nothing else.")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (jax.distributed). Without "
+                    "it, jax.distributed.initialize() detects SLURM, Open MPI, Cloud TPU pods, GKE, ... by itself.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (with --coordinator_address).")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (with --coordinator_address).")
+flags.DEFINE_integer("startup_timeout", 300, "Multi-host: seconds to wait for every process to connect before "
+                     "stopping with an error naming the coordinator.")
+flags.DEFINE_integer("peer_timeout", 60, "Multi-host: a process that has not answered for this many seconds is "
+                     "lost; the others stop with an error naming it.")
+
+ERRORS = (configuration.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, workdir.WorkdirError,
+          DataError)
+
+
+def _usage_error(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(preemption.EXIT_USAGE)
+
+
+def _config_error(error: Exception, argv) -> None:
+  """One line for an unknown field or malformed value in a ``--config...`` argument; exit code 2."""
+  overrides = [a for a in argv[1:] if a.startswith("--config")]
+  culprit = next((a for a in overrides if a.startswith("--config.")
+                  and re.search(rf"\b{re.escape(_field(a))}\b", str(error))), None)
+  if culprit is None:
+    _usage_error(f"{' '.join(overrides) or 'the command line'}: {' '.join(str(error).split())[:300]}")
+  from ipf_jax import defaults
+  known = list(defaults.get_config().keys())
+  if _field(culprit) in known:
+    _usage_error(f"{culprit}: {' '.join(str(error).split())[:300]}")
+  close = difflib.get_close_matches(_field(culprit), known, n=1)
+  hint = f"did you mean --config.{close[0]}?" if close else "ipf_jax/defaults.py lists every field"
+  _usage_error(f"{culprit}: the config has no field {_field(culprit)!r}; {hint}")
+
+
+def _field(arg: str) -> str:
+  return arg[len("--config."):].split("=")[0].split(".")[0]
+
+
+def default_config_path() -> str:
+  """``configs/digits.py``: in the working directory (a checkout), else the copy installed with the package."""
+  if os.path.isfile(os.path.join("configs", "digits.py")):
+    return os.path.join("configs", "digits.py")
+  import importlib.util
+  spec = importlib.util.find_spec("ipf_jax.configs")
+  return os.path.join(list(spec.submodule_search_locations)[0], "digits.py") if spec else "configs/digits.py"
+
+
+def _define_config_flag() -> None:
+  # ml_collections already applies the --config.FIELD overrides of sys.argv to the default file here.
+  try:
+    config_flags.DEFINE_config_file("config", default_config_path(), "Training configuration file (a checkout's "
+                                    "configs/*.py, or your own).", lock_config=True)
+  except Exception as e:  # noqa: BLE001
+    _config_error(e, sys.argv)
+
+
+_define_config_flag()
+
+
+def parse_flags(argv):
+  """absl flag parsing with one line (exit code 2) for an unknown flag or a bad ``--config...`` value."""
+  try:
+    rest = FLAGS(argv)
+    FLAGS.config.keys()  # ml_collections reports a config file that failed to load on first access
+    return rest
+  except flags.Error as e:
+    _usage_error(f"{e}. See --helpfull.")
+  except Exception as e:  # noqa: BLE001 - ml_collections raises plain errors for --config.FIELD overrides
+    _config_error(e, argv)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  absl_logging.set_verbosity(absl_logging.WARNING)  # library chatter (orbax, XLA) off; progress is ours
+  # Failures reach the user as one line each; orbax's and asyncio's own tracebacks of them would bury it.
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+  trainer.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
+  watch = cluster.start(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                        startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
+  error = None
+  try:
+    if FLAGS.eval_only:
+      trainer.evaluate_checkpoint(FLAGS.config, FLAGS.workdir)
+    else:
+      trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  except ERRORS as e:
+    error = str(e)
+    print(f"error: {e}", file=sys.__stderr__)  # sys.stderr may hold back orbax's noise after a failed save
+    return preemption.EXIT_ERROR
+  except preemption.RunStopped as e:
+    return e.exit_code
+  except KeyboardInterrupt:
+    error = "interrupted"
+    print("interrupted (second Ctrl-C): stopped at once, nothing saved since the newest checkpoint",
+          file=sys.__stderr__)
+    return preemption.EXIT_SIGINT
+  except Exception as e:  # noqa: BLE001
+    if watch is None:
+      raise  # one process: a bug shows its traceback
+    watch.fail(e)  # several: one line, the peers told, no wait in JAX's exit barrier
+  finally:
+    if watch is not None:
+      watch.finish(error)
+  return 0
+
+
+def run(argv=None):
+  """The ``train.py`` / ``ipf-train`` command: parse flags, run, exit with the documented code."""
+  app.run(lambda a: sys.exit(main(a)), argv=argv, flags_parser=parse_flags)

@@ -1,0 +1,44 @@
+"""Any data as functions that give host batches (dicts of numpy arrays): ``Data``."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Iterable, Iterator, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """A run's data from your own functions.
+
+  Attributes:
+    train: ``start_step -> iterator`` of global batches (dicts of ``[G, ...]`` numpy arrays,
+      ``G = config.global_batch_size``) from that step on. Give the same batches for the same steps
+      and a resumed run is identical to an uninterrupted one; a plain iterable is accepted too (a
+      resumed run then skips ``start_step`` batches by reading them).
+    eval: ``() -> iterable`` of batches of any size; the evaluation pads and masks them so that every
+      example counts once.
+    example: one example of each field the model reads, ``[1, ...]`` arrays.
+    steps_per_epoch_fn: ``G -> steps per epoch`` (needed for ``num_epochs``); ``None`` = unknown.
+    train_size, test_size: for messages and checks (``None``: not checked).
+    process_local: ``train`` gives this process's part of each global batch (multi-host input).
+  """
+  train: Callable[[int], Iterator[dict]] | Iterable[dict]
+  eval: Callable[[], Iterable[dict]]
+  example: dict
+  name: str = "data"
+  steps_per_epoch_fn: Optional[Callable[[int], int]] = None
+  train_size: Optional[int] = None
+  test_size: Optional[int] = None
+  num_classes: Optional[int] = None
+  process_local: bool = False
+
+  def steps_per_epoch(self, global_batch_size: int) -> int:
+    return self.steps_per_epoch_fn(global_batch_size) if self.steps_per_epoch_fn else 1
+
+  def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
+    if callable(self.train):
+      return iter(self.train(start_step))
+    return itertools.islice(iter(self.train), start_step, None)
+
+  def eval_batches(self, batch_size: int) -> Iterable[dict]:
+    return self.eval()

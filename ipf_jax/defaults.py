@@ -1,0 +1,87 @@
+"""The configuration schema: every field a run reads, with its default and meaning.
+
+Configs (``configs/*.py``, or your own) start from ``get_config()`` here and
+override a few fields. Any field can be overridden on the command line:
+``--config.num_particles=4``.
+"""
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+
+  # --- run -----------------------------------------------------------------
+  config.seed = 0                      # PRNG seed: particle init, resampling, data order
+  config.num_train_steps = 300         # train steps (one global batch each)
+  config.num_epochs = 0.0              # if > 0: train this many epochs instead of num_train_steps
+  config.log_every_steps = 25          # progress line every N steps
+  config.eval_every_steps = 0          # evaluate every N steps (0 = only at the end)
+  config.checkpoint_every_steps = 100  # save the whole state every N steps and at the end (0 = only at the end,
+                                       # -1 = never: no resuming)
+  config.checkpoint_every_minutes = 30.0  # also save when this much wall time passed since the last save (for
+                                       # sessions that end without a signal, e.g. Colab; 0 = off)
+  config.time_limit_minutes = 0.0      # stop cleanly (save, exit code 75) after this much wall time (0 = none)
+  config.keep_checkpoints = 3          # keep the newest K checkpoints
+  config.async_checkpointing = True    # write checkpoints in the background while training goes on
+
+  # --- data ------------------------------------------------------------------
+  config.dataset = "digits"            # digits (scikit-learn, embedded) | imagenet2012 | cifar10 | cifar100 (TFDS)
+  config.data_dir = ""                 # TFDS data_dir holding the prepared dataset ("" = TFDS default)
+  config.image_size = 224              # TFDS datasets: training/eval crop size
+  config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer
+  config.global_batch_size = 128       # G: examples per step, over all particles and devices
+  config.eval_batch_size = 256         # examples per eval step (padded, masked)
+  config.train_fraction = 1.0          # embedded datasets: train on this fixed random fraction of the train split
+  config.label_noise = 0.0             # embedded datasets: this fraction of train labels replaced by another class
+
+  # --- model -----------------------------------------------------------------
+  config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny
+  config.cnn_features = (32, 64, 128)  # channels of the cnn's conv stages
+  config.small_inputs = False          # resnets: 3x3 stem without max-pool, for 32x32 images
+  config.remat = False                 # resnets: recompute each block in the backward pass (less memory)
+  config.dtype = "float32"             # compute dtype: float32 | bfloat16 | float16 (params and optimizer stay
+                                       # float32; float16, for GPUs without bfloat16, uses dynamic loss scaling)
+  config.loss_scale_init = 65536.0     # float16: initial loss scale (a power of 2)
+  config.loss_scale_growth_interval = 2000  # float16: double the loss scale after this many finite steps
+  config.bn_momentum = 0.9             # BatchNorm running-average momentum
+
+  # --- optimiser -------------------------------------------------------------
+  config.base_lr = 0.1                 # learning rate at reference_batch_size
+  config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size
+  config.reference_batch_size = 256    # batch size at which base_lr applies
+  config.warmup_steps = 20             # linear warmup, then cosine decay to 0
+  config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
+  config.label_smoothing = 0.0         # cross-entropy label smoothing
+  config.grad_accum_steps = 1          # accumulate gradients over N steps per update (optax.MultiSteps)
+  config.momentum = 0.9                # SGD momentum
+  config.nesterov = True               # Nesterov momentum
+  config.weight_decay = 1e-4           # decoupled, on kernels only (not BN, not biases)
+  config.grad_clip_norm = 0.0          # clip each particle's gradient by global norm (0 = off)
+
+  # --- particles (DESIGN.md §3) ----------------------------------------------
+  config.mode = "ipf"                  # ddp | ensemble | ipf (see README, "Modes")
+  config.num_particles = 8             # P; 1 = plain DDP in any mode
+  config.shared_params = ""            # regex of parameter paths stored once and shared by all particles, e.g.
+                                       # "^(conv_init|bn_init|stage1_)" (stem + first stage); "" = none
+  config.init = "auto"                 # auto | shared | independent: one init for all particles (fusion needs it)
+                                       # or one per particle (deep ensemble); auto = independent in ensemble mode
+  config.temperature = 10.0            # tau >= 0: log w <- rho log w - tau loss (10: best fused model and NLL
+                                       # in the digits study, BENCHMARKS.md)
+  config.forgetting = 0.9              # rho in (0, 1]: memory of past losses in the weights
+  config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
+  config.elastic_pull = 0.0            # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
+                                       # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
+  config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P
+  config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
+  config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
+  config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
+  config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
+                                       # train batches before evaluating and exporting it (0 = weighted average)
+
+  config.particle_loop = "vmap"        # vmap | map | unroll: how a device runs its local particles
+
+  # --- devices (DESIGN.md §2) ------------------------------------------------
+  config.num_devices = 0               # devices to use (0 = all)
+  config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
+  config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)
+  return config

@@ -1,0 +1,135 @@
+"""Evaluation: the eval step (every particle, both ensembles, the fused model), the loop over an eval set
+(every example exactly once: padded last batch, masked) and the final table."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ipf_jax import correction
+from ipf_jax import filter as pf
+from ipf_jax import fusion
+from ipf_jax import sharing
+from ipf_jax.data import layout
+from ipf_jax.mesh import DATA, PARTICLE
+from ipf_jax.particles import over_particles
+from ipf_jax.state import ParticleState, state_specs
+from ipf_jax.task import Task
+
+ROWS = (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_uniform"), ("fused model", "fused"),
+        ("fused model, BN re-estimated", "fused_bn"))
+
+
+def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
+  """``eval_step(state, batch, fused_bn=None) -> sums`` for every particle, the ensembles and the fused model.
+
+  ``batch`` is a dict of ``[N, ...]`` arrays with a ``mask`` (1 = real example), sharded over
+  ``"data"`` and seen by every particle. Returns ``task.score`` sums, replicated: ``particles``
+  with a leading ``[P]`` axis, ``ensemble`` (the mixture ``sum_i w_i predictive_i``),
+  ``ensemble_uniform`` (equal weights over finite particles), ``fused`` (``f(sum_i w_i theta_i)``
+  with ``sum_i w_i beta_i``) and, with ``fused_bn`` (replicated BatchNorm statistics from
+  ``fusion.make_fused_bn_fn``), ``fused_bn``; plus ``weights`` ``[P]``.
+  """
+
+  def predict(params, shared, batch_stats, batch):
+    outputs = task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, train=False)
+    return task.predictive(outputs, batch)
+
+  def local_eval(state: ParticleState, batch, fused_bn):
+    mask = batch["mask"]
+    shared = state.shared_params
+    pred = over_particles(predict, particle_loop, (0, None, 0, None))(state.params, shared, state.batch_stats, batch)
+    w = jnp.exp(state.log_weights)
+    alive = (w > 0).astype(jnp.float32)
+    per_particle = jax.vmap(task.score, in_axes=(0, None, None))(pred, batch, mask)
+    ensemble = mixture(pred, w, PARTICLE)
+    uniform = mixture(pred, alive / lax.psum(alive.sum(), PARTICLE), PARTICLE)
+    params, stats = fusion.fused(state)
+    sums = {"particles": jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
+            "ensemble": task.score(ensemble, batch, mask),
+            "ensemble_uniform": task.score(uniform, batch, mask),
+            "fused": task.score(predict(params, shared, stats, batch), batch, mask)}
+    if fused_bn is not None:
+      sums["fused_bn"] = task.score(predict(params, shared, fused_bn, batch), batch, mask)
+    return {**lax.psum(sums, DATA), "weights": pf.gather_all(w, PARTICLE)}
+
+  sharded = jax.jit(jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), layout.EVAL_BATCH_SPEC, P()),
+                                  out_specs=P()))
+  return lambda state, batch, fused_bn=None: sharded(state, batch, fused_bn)
+
+
+def mixture(pred, weights, axis_name: str):
+  """The weighted mixture of all particles' predictive quantities (``[L, b, ...]`` leaves, ``[L]`` weights).
+
+  A leaf is mixed linearly, ``sum_i w_i x_i``, unless its key starts with ``log_``: then it holds
+  log-values (a log-density) and mixes as ``log sum_i w_i exp(x_i)``, computed stably (``pmax`` and
+  ``psum`` over ``axis_name``), so that a density too small for float32 still counts. A particle with
+  ``w_i = 0`` contributes nothing, even if its values are NaN.
+  """
+
+  def mix(path, x):
+    if not (path and str(getattr(path[-1], "key", "")).startswith("log_")):
+      return correction.weighted_sum(x, weights, axis_name)
+    w = weights.reshape(weights.shape + (1,) * (x.ndim - 1))
+    live = jnp.where(w > 0, x, -jnp.inf)
+    m = lax.pmax(jnp.max(live, axis=0), axis_name)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = lax.psum(jnp.sum(jnp.where(w > 0, w * jnp.exp(live - m), 0.0), axis=0), axis_name)
+    return m + jnp.log(total)
+
+  return jax.tree_util.tree_map_with_path(mix, pred)
+
+
+def padded(batches: Iterable[dict], batch_size: int):
+  """Batches of exactly ``batch_size`` with a ``mask``: a batch that has none gets ones, a short one is
+  zero-padded (mask 0), a long one split. Every example counts once."""
+  for batch in batches:
+    n = len(next(iter(batch.values())))
+    batch = dict(batch)
+    batch.setdefault("mask", np.ones(n, np.float32))
+    for start in range(0, n, batch_size):
+      part = {k: v[start:start + batch_size] for k, v in batch.items()}
+      pad = batch_size - (min(n, start + batch_size) - start)
+      if pad:
+        part = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in part.items()}
+      yield part
+
+
+def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: int, mesh, fused_bn=None,
+             wait: Callable = lambda x: x, interrupted: Callable[[], bool] = lambda: False) -> dict:
+  """``task.finalize``d metrics of every row over ``batches`` (see ``padded``); ``weights`` ``[P]``.
+
+  ``interrupted()`` is asked between batches (raises ``InterruptedError``).
+  """
+  total = weights = None
+  for batch in padded(batches, batch_size):
+    if interrupted():
+      raise InterruptedError("stop requested")
+    sums = wait(eval_step(state, layout.put_eval_batch(batch, mesh), fused_bn))
+    weights = sums.pop("weights")
+    total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
+  results = {k: task.finalize(v) for k, v in jax.device_get(total).items()}
+  results["weights"] = np.asarray(jax.device_get(weights))
+  return results
+
+
+def format_table(results: dict, columns: tuple, shared_init: bool = True) -> str:
+  """One row per particle (with its weight), the two ensembles and the fused model(s)."""
+  weights = results["weights"]
+  rows = [("model", "weight") + tuple(title for title, _, _ in columns)]
+  p = results["particles"]
+  for i in range(len(weights)):
+    rows.append((f"particle {i}", f"{weights[i]:.3f}") + tuple(fmt.format(p[key][i]) for _, key, fmt in columns))
+  for name, key in ROWS:
+    if key in results:
+      rows.append((name, "") + tuple(fmt.format(results[key][k]) for _, k, fmt in columns))
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  if not shared_init:
+    lines.append("(independent inits: the fused model averages unrelated networks and is not meaningful)")
+  return "\n".join(lines)

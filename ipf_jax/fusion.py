@@ -1,0 +1,128 @@
+"""The fused model (DESIGN.md §6): weighted parameters, particle distances, BatchNorm re-estimation, export.
+
+``theta_bar = sum_i w_i theta_i`` and ``beta_bar = sum_i w_i beta_i`` are
+weighted ``psum``s over ``"particle"``. The averaged network's activations need
+not match ``beta_bar``; ``make_fused_bn_fn`` re-estimates its BatchNorm
+statistics on training batches (as SWA does). The export is plain Flax:
+
+  model, variables = ipf_jax.fusion.load_fused("WORKDIR/fused_model")
+  logits = model.apply(variables, images, train=False)
+
+``WORKDIR/fused_model.msgpack`` holds ``{"params", "batch_stats"}`` (flax
+msgpack); ``fused_model.json`` the model-zoo fields that rebuild the module
+(``None`` for a model the user brought: pass it to ``load_fused``).
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import serialization
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ipf_jax import correction
+from ipf_jax import filter as pf
+from ipf_jax import sharing
+from ipf_jax.data.layout import TRAIN_BATCH_SPEC
+from ipf_jax.mesh import PARTICLE
+from ipf_jax.particles import over_particles
+from ipf_jax.state import ParticleState, state_specs
+
+
+def fused(state: ParticleState):
+  """``(sum_i w_i theta_i, sum_i w_i beta_i)`` inside ``shard_map`` (per-particle parameters only)."""
+  w = jnp.exp(state.log_weights)
+  return correction.weighted_sum(state.params, w, PARTICLE), correction.weighted_sum(state.batch_stats, w, PARTICLE)
+
+
+def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
+  """``fuse(state) -> (variables, distances)``, both replicated.
+
+  ``variables`` = ``{"params": theta_bar (with the shared ones), "batch_stats": beta_bar}``, ready for
+  a plain ``model.apply``; ``distances`` ``[P]`` = ``||theta_i - theta_bar||`` (particle diversity).
+  """
+
+  def local(state: ParticleState):
+    params, stats = fused(state)
+    sq = sum(jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
+             for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))
+    variables = {"params": sharing.merge(params, state.shared_params), "batch_stats": stats}
+    return variables, pf.gather_all(jnp.sqrt(sq), PARTICLE)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(),), out_specs=(P(), P())))
+
+
+def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
+  """``fused_bn(state, batch) -> batch_stats``: the fused model's BatchNorm statistics on one train batch.
+
+  The fused parameters run in train mode on each particle's shard of ``batch`` (laid out as for the
+  train step; statistics synchronised over ``"data"`` as in training); the per-shard means and
+  variances are averaged over all shards. Returned replicated.
+
+  Any module's BatchNorm momentum ``m`` drops out: from running statistics started at 0 and at 1,
+  ``a = (1 - m) s`` and ``b = m + (1 - m) s``, so ``s = a / (1 - (b - a))``.
+  """
+
+  def local(state: ParticleState, batch):
+    params = correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE)  # stats are replaced
+    params = sharing.merge(params, state.shared_params)
+    key = jax.random.fold_in(state.rng, 2 ** 31 - 1) if task.rngs else None
+
+    def one(shard):
+      def stats(start):
+        start = jax.tree.map(lambda x: jnp.full_like(x[0], start), state.batch_stats)
+        return task.apply({"params": params, "batch_stats": start}, shard, train=True, key=key)[1]
+      a, b = stats(0.0), stats(1.0)
+      return jax.tree.map(lambda a, b: a / (1.0 - (b - a)), a, b)
+
+    stats = over_particles(one, particle_loop, (0,))(batch)
+    return lax.pmean(jax.tree.map(lambda x: jnp.mean(x, axis=0), stats), PARTICLE)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(), TRAIN_BATCH_SPEC), out_specs=P()))
+
+
+def reestimate_bn(fused_bn_fn: Callable, state, batches, wait: Callable = lambda x: x,
+                  interrupted: Callable[[], bool] = lambda: False):
+  """The mean of ``fused_bn_fn(state, b)`` over the device batches ``batches`` (``None`` if empty)."""
+  total, n = None, 0
+  for batch in batches:
+    if interrupted():
+      raise InterruptedError("stop requested")
+    stats = wait(fused_bn_fn(state, batch))
+    total = stats if total is None else jax.tree.map(jnp.add, total, stats)
+    n += 1
+  return None if total is None else jax.tree.map(lambda x: x / n, total)
+
+
+# ---- export ------------------------------------------------------------------------------------------------------
+
+def export_fused(variables: dict, path: str, model_fields: Optional[dict] = None) -> None:
+  """Writes ``path.msgpack`` (the variables) and ``path.json`` (``model_fields``: what rebuilds a zoo model).
+  Call on process 0; each file is written atomically."""
+  from ipf_jax import workdir as workdir_lib
+  host = jax.tree.map(np.asarray, jax.device_get(variables))
+  workdir_lib.write_atomic(path + ".msgpack", serialization.msgpack_serialize(host))
+  workdir_lib.write_atomic(path + ".json", json.dumps({"model": model_fields}, indent=1))
+
+
+def load_fused(path: str, model=None):
+  """``(module, variables)`` of an exported fused model (``path`` without extension).
+
+  ``model``: the Flax module to return (a model you brought); by default the zoo model the export names.
+  """
+  with open(path + ".msgpack", "rb") as f:
+    variables = serialization.msgpack_restore(f.read())
+  if model is None:
+    with open(path + ".json") as f:
+      fields = json.load(f)
+    fields = fields.get("model", fields)  # exports before the "model" key held the fields at the top
+    if not fields:
+      raise ValueError(f"{path}.json names no zoo model: pass the Flax module you trained, "
+                       "load_fused(path, model=...)")
+    from ipf_jax.models import model_from_fields
+    model = model_from_fields(fields)
+  return model, variables

@@ -1,0 +1,113 @@
+"""What is trained and how it is scored (DESIGN.md "Library use").
+
+A ``Task`` holds any Flax module, a per-example loss, and how a prediction is
+scored. The ensembles of a population are mixtures: for every example,
+``predictive`` returns quantities that are linear in the predictive
+distribution (class probabilities; the density of the label and the first two
+moments for regression), the ensembles average them with the particles'
+weights (a quantity under a ``log_`` key is a log-value and is mixed in log
+space, see ``evaluation.mixture``), and ``score`` turns one model's (or one
+mixture's) quantities into additive sums, so that eval batches and devices
+combine with ``+``/``psum``.
+
+The model is called as ``model.apply(variables, batch[inputs], train=train)``
+(``inputs=None``: the whole batch dict), with a ``"dropout"`` key (one per
+particle and data shard, derived from the step) when ``rngs`` asks for it, and
+``batch_stats`` mutable in train mode when the model has BatchNorm.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from ipf_jax import metrics as metrics_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A model and how it learns and is scored.
+
+  Attributes:
+    model: any Flax module taking ``(inputs, train=bool)``.
+    loss: ``(outputs, batch) -> [b]`` per-example loss (a particle's loss is its mean over the
+      particle's examples; the gradient flows through it).
+    predictive: ``(outputs, batch) -> pytree of [b, ...]``: what the ensembles average.
+    score: ``(predictive, batch, mask [b]) -> dict of additive sums`` for one model or mixture.
+    finalize: host ``sums -> {metric: value}``.
+    columns: ``(title, metric, format)`` of the final table, e.g. ``("NLL", "nll", "{:.4f}")``.
+    inputs: the batch field the model takes, or ``None`` for the whole batch.
+    rngs: RNG streams the model draws in train mode, e.g. ``("dropout",)``.
+  """
+  model: nn.Module
+  loss: Callable[[Any, dict], jax.Array]
+  predictive: Callable[[Any, dict], Any]
+  score: Callable[[Any, dict, jax.Array], dict]
+  finalize: Callable[[dict], dict]
+  columns: tuple = ()
+  inputs: Optional[str] = "image"
+  rngs: tuple = ()
+
+  def apply(self, variables: dict, batch: dict, train: bool, key: Optional[jax.Array] = None):
+    """``outputs`` (eval) or ``(outputs, batch_stats)`` (train; ``{}`` without BatchNorm)."""
+    x = batch if self.inputs is None else batch[self.inputs]
+    rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(self.rngs)} if key is not None else None
+    if not train:
+      return self.model.apply(variables, x, train=False, rngs=rngs)
+    outputs, new = self.model.apply(variables, x, train=True, rngs=rngs, mutable=["batch_stats"])
+    return outputs, new.get("batch_stats", {})
+
+  def init(self, key: jax.Array, batch: dict) -> dict:
+    """The model's variables for one example shaped like ``batch``'s first one."""
+    example = jax.tree.map(lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), batch)
+    x = example if self.inputs is None else example[self.inputs]
+    return self.model.init({"params": key, **{name: key for name in self.rngs}}, x, train=False)
+
+
+# ---- classification -----------------------------------------------------------------------------------------
+
+def classification(model: nn.Module, label_smoothing: float = 0.0, inputs: str = "image", label: str = "label",
+                   rngs: tuple = ()) -> Task:
+  """Softmax cross-entropy on integer labels (``label_smoothing`` optional); the ensembles average class
+  probabilities; scored by accuracy, NLL and ECE (``metrics.classification_sums``)."""
+
+  def loss(logits, batch):
+    if label_smoothing:
+      targets = optax.smooth_labels(jax.nn.one_hot(batch[label], logits.shape[-1]), label_smoothing)
+      return optax.softmax_cross_entropy(logits, targets)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[label])
+
+  return Task(model=model, loss=loss, predictive=lambda logits, batch: jax.nn.softmax(logits),
+              score=lambda probs, batch, mask: metrics_lib.classification_sums(probs, batch[label], mask),
+              finalize=metrics_lib.finalize, inputs=inputs, rngs=rngs,
+              columns=(("accuracy", "accuracy", "{:.2%}"), ("NLL", "nll", "{:.4f}"), ("ECE", "ece", "{:.4f}")))
+
+
+# ---- regression ----------------------------------------------------------------------------------------------
+
+def gaussian_regression(model: nn.Module, inputs: str = "x", target: str = "y", rngs: tuple = ()) -> Task:
+  """A Gaussian likelihood: the model outputs ``[b, 2]`` = (mean, raw scale) with
+  ``sigma = softplus(raw) + 1e-3``; the loss is the Gaussian negative log-likelihood of ``batch[target]``.
+  The ensembles are mixtures of Gaussians: they mix the density of the target (in log space) and
+  average the first two moments; scored by NLL and RMSE of the mean (``metrics.regression_sums``)."""
+
+  def split(outputs):
+    return outputs[..., 0], jax.nn.softplus(outputs[..., 1]) + 1e-3
+
+  def loss(outputs, batch):
+    mean, sigma = split(outputs)
+    return metrics_lib.gaussian_nll(batch[target], mean, sigma)
+
+  def predictive(outputs, batch):
+    mean, sigma = split(outputs)
+    return {"log_density": -metrics_lib.gaussian_nll(batch[target], mean, sigma), "mean": mean,
+            "second_moment": sigma ** 2 + mean ** 2}
+
+  return Task(model=model, loss=loss, predictive=predictive,
+              score=lambda pred, batch, mask: metrics_lib.regression_sums(pred, batch[target], mask),
+              finalize=metrics_lib.finalize_regression, inputs=inputs, rngs=rngs,
+              columns=(("NLL", "nll", "{:.4f}"), ("RMSE", "rmse", "{:.4f}")))
