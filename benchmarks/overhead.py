@@ -132,7 +132,10 @@ def main():
               "ipf elastic 0.1 (no resample)": Timed(config_for(args, mode="ipf", num_particles=p,
                                                                 ess_threshold=0.0, elastic_pull=0.1), args),
               "ipf (resample every step)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
-                                                            resample_every=1), args)}
+                                                            resample_every=1), args),
+              "ipf (resample every step, all_to_all)": Timed(config_for(
+                  args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1,
+                  resample_exchange="all_to_all"), args)}
   t = measure(variants, args.repeats, args.rounds)
   rate = digits_resample_rate(args)
   amortised = (1 - rate) * t["ipf (no resample)"] + rate * t["ipf (resample every step)"]
@@ -147,8 +150,12 @@ def main():
                  ipf_lambda0_no_resample_over_ensemble=t["ipf lambda=0 (no resample)"] / t["ensemble"],
                  ipf_elastic_no_resample_over_ensemble=t["ipf elastic 0.1 (no resample)"] / t["ensemble"],
                  ipf_resample_every_step_over_ensemble=t["ipf (resample every step)"] / t["ensemble"],
+                 ipf_resample_every_step_all_to_all_over_ensemble=(t["ipf (resample every step, all_to_all)"]
+                                                                   / t["ensemble"]),
                  digits_resample_rate=rate, ipf_amortised_over_ensemble=amortised / t["ensemble"],
-                 resampling_peak_memory_ratio=mem["ipf (resample every step)"] / mem["ensemble"])
+                 resampling_peak_memory_ratio=mem["ipf (resample every step)"] / mem["ensemble"],
+                 resampling_all_to_all_peak_memory_ratio=(mem["ipf (resample every step, all_to_all)"]
+                                                          / mem["ensemble"]))
 
   # 2. DDP vs a hand-written data-parallel step.
   ddp_cfg = config_for(args, mode="ddp", num_particles=1, global_batch_size=args.per_particle_batch * d)

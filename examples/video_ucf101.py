@@ -135,13 +135,13 @@ def get_config():
   return config
 
 
-def main(workdir, data_dir=None, steps=None, **overrides):
+def main(workdir, data_dir=None, steps=None, num_frames=8, image_size=64, **overrides):
   config = get_config()
   if steps:
     config.num_train_steps = steps
   for k, v in overrides.items():
     config[k] = v
-  data = UCF101(data_dir)
+  data = UCF101(data_dir, num_frames=num_frames, image_size=image_size)
   task = ipf_jax.classification(R2Plus1D(num_classes=data.num_classes), inputs="video")
   return ipf_jax.train_and_evaluate(config, workdir, task=task, data=data)
 

@@ -19,6 +19,7 @@ LR_SCALING = ("none", "linear", "sqrt")
 DTYPES = ("float32", "bfloat16", "float16")
 INITS = ("auto", "shared", "independent")
 PARTICLE_LOOPS = ("vmap", "map", "unroll")
+EXCHANGES = ("auto", "all_to_all", "rounds")
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,7 @@ class ParticleSpec:
   compress: bool = False  # int8 error-feedback exchange of the consensus gradient
   elastic: float = 0.0  # alpha: pull towards the fused parameters after each update
   particle_loop: str = "vmap"  # how a device runs its local particles: vmap | map | unroll
+  exchange: str = "auto"  # how resampled particles move: all_to_all | rounds | auto (filter.choose_exchange)
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -55,7 +57,8 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
                         float(config.correction), float(config.ess_threshold), int(config.resample_every),
                         float(config.jitter), shared, resampling=True,
                         compress=bool(config.compress_correction) and config.correction > 0,
-                        elastic=float(config.elastic_pull), particle_loop=config.particle_loop)
+                        elastic=float(config.elastic_pull), particle_loop=config.particle_loop,
+                        exchange=config.resample_exchange)
   return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False,
                       particle_loop=config.particle_loop)
 
@@ -88,6 +91,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check_choice(config, "dtype", DTYPES)
   _check_choice(config, "init", INITS)
   _check_choice(config, "particle_loop", PARTICLE_LOOPS)
+  _check_choice(config, "resample_exchange", EXCHANGES)
   try:
     re.compile(config.shared_params)
   except re.error as e:

@@ -75,6 +75,9 @@ def get_config():
   config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
   config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
   config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
+  config.resample_exchange = "auto"    # how resampled particles move between devices: all_to_all (one
+                                       # collective of P particles) | rounds (ppermute rounds of L particles,
+                                       # only those needed) | auto (measured choice, BENCHMARKS.md "Scaling")
   config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
                                        # train batches before evaluating and exporting it (0 = weighted average)
 

@@ -106,7 +106,27 @@ def assign_slots(ancestors):
   return jnp.where(freed, extras[jnp.clip(rank, 0, num - 1)], jnp.arange(num, dtype=jnp.int32))
 
 
-def exchange(tree, src, axis_name: str, axis_size: int):
+EXCHANGES = ("all_to_all", "rounds")
+
+
+def choose_exchange(method: str, axis_size: int) -> str:
+  """``auto``: ``rounds`` (smaller peak memory at every measured ``Dp >= 2``, BENCHMARKS.md "Scaling");
+  otherwise ``method``."""
+  return "rounds" if method == "auto" else method
+
+
+def exchange(tree, src, axis_name: str, axis_size: int, method: str = "all_to_all"):
+  """``new[n] = old[src[n]]`` for every per-particle leaf, across devices (``method``: see
+  ``exchange_all_to_all`` and ``exchange_rounds``; both are exact copies)."""
+  if axis_size == 1:
+    return jax.tree.map(lambda x: x[src], tree)
+  if not jax.tree.leaves(tree):
+    return tree
+  fn = {"all_to_all": exchange_all_to_all, "rounds": exchange_rounds}[method]
+  return fn(tree, src, axis_name, axis_size)
+
+
+def exchange_all_to_all(tree, src, axis_name: str, axis_size: int):
   """``new[n] = old[src[n]]`` for every per-particle leaf, across devices.
 
   Runs inside ``shard_map``: each leaf is the local block ``[L, ...]`` of the
@@ -117,14 +137,9 @@ def exchange(tree, src, axis_name: str, axis_size: int):
   source is itself receives its own particle back, so survivors stay put.
 
   The send/receive buffers hold ``axis_size * L = P`` particles per leaf per
-  device: static shapes, whatever the ancestors.
+  device: static shapes, whatever the ancestors; every resampling moves them all.
   """
-  if axis_size == 1:
-    return jax.tree.map(lambda x: x[src], tree)
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return tree
-  num_local = leaves[0].shape[0]
+  num_local = jax.tree.leaves(tree)[0].shape[0]
   src = src.reshape(axis_size, num_local)
   src_dev, src_loc = src // num_local, src % num_local
   me = lax.axis_index(axis_name)
@@ -137,6 +152,49 @@ def exchange(tree, src, axis_name: str, axis_size: int):
     return recv[my_src_dev, slots]
 
   return jax.tree.map(move, tree)
+
+
+def active_shifts(src, num_local: int, axis_size: int):
+  """``[Dp]`` bool, replicated: shift ``k`` is needed when some device's slot takes a particle held by the
+  device ``k`` places before it (``k = 0``: a copy within a device)."""
+  dest_dev = jnp.arange(src.shape[0]) // num_local
+  moved = src != jnp.arange(src.shape[0])
+  shift = (dest_dev - src // num_local) % axis_size
+  return jnp.zeros((axis_size,), jnp.int32).at[shift].max(moved.astype(jnp.int32)) > 0
+
+
+def exchange_rounds(tree, src, axis_name: str, axis_size: int):
+  """``new[n] = old[src[n]]`` by rounds of shifts: memory and traffic for what moves.
+
+  Round ``k = 1 .. Dp-1`` sends, from every device ``d`` to ``d + k`` (``ppermute``), the particles the
+  slots of device ``d + k`` take from device ``d``: ``L`` particles, leaf by leaf; it runs only when a
+  slot needs it (``lax.cond`` on the replicated ``active_shifts``). Copies within a device are a local
+  gather. Per device: buffers of ``O(L)`` particles whatever ``Dp`` (leaf by leaf: packing the particle
+  into flat buffers first, one collective per dtype, measured an extra copy of the particle larger,
+  BENCHMARKS.md "Scaling"); a resampling that replaces ``K`` particles runs at most ``K`` rounds of ``L``
+  particles each; survivors never move.
+  """
+  num_local = jax.tree.leaves(tree)[0].shape[0]
+  me = lax.axis_index(axis_name)
+  src_dev = (src // num_local).reshape(axis_size, num_local)
+  src_loc = (src % num_local).reshape(axis_size, num_local)
+  mine_dev = lax.dynamic_index_in_dim(src_dev, me, keepdims=False)  # [L] device each of my slots takes from
+  mine_loc = lax.dynamic_index_in_dim(src_loc, me, keepdims=False)
+  active = active_shifts(src, num_local, axis_size)
+  sel = lambda mask, a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  out = jax.tree.map(lambda x: sel(mine_dev == me, x[mine_loc], x), tree)  # copies within this device
+  for k in range(1, axis_size):
+    dest = (me + k) % axis_size
+    sender = (me - k) % axis_size
+    wanted = lax.dynamic_index_in_dim(src_loc, dest, keepdims=False)  # [L]: my particles dest's slots take
+
+    def round_k(out, wanted=wanted, sender=sender, k=k):
+      perm = [(j, (j + k) % axis_size) for j in range(axis_size)]
+      return jax.tree.map(lambda x, o: sel(mine_dev == sender, lax.ppermute(x[wanted], axis_name, perm), o),
+                          tree, out)
+
+    out = lax.cond(active[k], round_k, lambda out: out, out)
+  return out
 
 
 def jitter(params, src, key, sigma: float, axis_name: str):
@@ -160,7 +218,8 @@ def jitter(params, src, key, sigma: float, axis_name: str):
   return jax.tree.unflatten(treedef, out)
 
 
-def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0, axis_name: str = "particle"):
+def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0, axis_name: str = "particle",
+             method: str = "all_to_all"):
   """Systematic resampling of the whole population, survivors in place (DESIGN.md §3.5).
 
   ``u`` from ``fold_in(key, 0)``; ``a = systematic_resample(u, all_log_w)``; slot ``n`` takes particle
@@ -175,7 +234,7 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
   """
   u = jax.random.uniform(jax.random.fold_in(key, 0))
   src = assign_slots(systematic_resample(u, all_log_w))
-  params, *rest = exchange(particle, src, axis_name, axis_size)
+  params, *rest = exchange(particle, src, axis_name, axis_size, method)
   if sigma:
     params = jitter(params, src, jax.random.fold_in(key, 1), sigma, axis_name)
   return (params, *rest), jnp.full_like(log_w, -jnp.log(all_log_w.shape[0])), src

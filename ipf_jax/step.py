@@ -205,7 +205,8 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     if spec.resampling:
       resampled = resample_decision(spec, state.step, ess, num_alive)
       particle, new_log_w, src = lax.cond(
-          resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, spec.jitter),
+          resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, spec.jitter,
+                                              method=pf.choose_exchange(spec.exchange, dp)),
           lambda p, w: (p, w, identity), particle, log_w)
     # 5. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
     ds, overflow = state.dynamic_scale, jnp.zeros((), bool)

@@ -29,8 +29,9 @@ def test_video_example_on_mock_ucf101(tmp_path):
   tfds = pytest.importorskip("tensorflow_datasets")
   import video_ucf101
   with tfds.testing.mock_data(num_examples=8):
-    results = video_ucf101.main(str(tmp_path), steps=2, num_particles=4, global_batch_size=8, eval_batch_size=8,
-                                checkpoint_every_steps=-1, warmup_steps=1, log_every_steps=1)
+    results = video_ucf101.main(str(tmp_path), steps=2, num_frames=4, image_size=32, num_particles=4,
+                                global_batch_size=8, eval_batch_size=8, checkpoint_every_steps=-1, warmup_steps=1,
+                                log_every_steps=1)
   assert len(results["particles"]["accuracy"]) == 4 and np.isfinite(results["ensemble"]["nll"])
 
 

@@ -105,17 +105,18 @@ def test_update_log_weights():
   assert out[1] == -np.inf
 
 
-def _exchange_on_mesh(mesh, dp, tree, src):
+def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all"):
   specs = jax.tree.map(lambda _: P("particle"), tree)
-  fn = jax.jit(jax.shard_map(lambda t, s: pf.exchange(t, s, mesh_lib.PARTICLE, dp), mesh=mesh,
+  fn = jax.jit(jax.shard_map(lambda t, s: pf.exchange(t, s, mesh_lib.PARTICLE, dp, method), mesh=mesh,
                              in_specs=(specs, P()), out_specs=specs))
   placed = jax.tree.map(lambda x: _sharded(mesh, x, P("particle")), tree)
   return jax.device_get(fn(placed, _sharded(mesh, jnp.asarray(src, jnp.int32), P())))
 
 
+@pytest.mark.parametrize("method", pf.EXCHANGES)
 @pytest.mark.parametrize("dp,dd", MESH_SHAPES)
 @pytest.mark.parametrize("per_device", [1, 2, 4])
-def test_exchange_moves_exactly_state_at_src(dp, dd, per_device):
+def test_exchange_moves_exactly_state_at_src(dp, dd, per_device, method):
   p = dp * per_device
   mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
   rng = np.random.default_rng(100 * dp + per_device)
@@ -124,6 +125,25 @@ def test_exchange_moves_exactly_state_at_src(dp, dd, per_device):
   sources = [np.arange(p), np.zeros(p, int), np.full(p, p - 1), np.arange(p)[::-1], rng.integers(0, p, size=p),
              rng.permutation(p)]
   for src in sources:
-    out = _exchange_on_mesh(mesh, dp, tree, src)
+    out = _exchange_on_mesh(mesh, dp, tree, src, method)
     expect = jax.tree.map(lambda x: x[src], tree)
     jax.tree.map(np.testing.assert_array_equal, out, expect)
+
+
+@pytest.mark.parametrize("dp,per_device", [(8, 1), (4, 2), (8, 2)])
+def test_rounds_run_only_the_shifts_a_resampling_needs(dp, per_device):
+  """The replicated round schedule against a plain loop: shift k is needed when some slot on device d
+  takes a particle from device d - k; replacing K particles needs at most K rounds."""
+  p = dp * per_device
+  rng = np.random.default_rng(dp)
+  for k_replaced in (0, 1, p // 2, p - 1):
+    src = np.arange(p)
+    slots = rng.choice(p, k_replaced, replace=False)
+    src[slots] = rng.integers(0, p, size=k_replaced)
+    expect = np.zeros(dp, bool)
+    for n in range(p):
+      if src[n] != n:
+        expect[(n // per_device - src[n] // per_device) % dp] = True
+    got = np.asarray(pf.active_shifts(jnp.asarray(src), per_device, dp))
+    np.testing.assert_array_equal(got, expect)
+    assert got[1:].sum() <= k_replaced

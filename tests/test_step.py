@@ -8,7 +8,8 @@ from tests.reference import Reference
 
 # (Dp, Dd) meshes of the 8 fake devices, with L = 1, 2, 4 particles per device.
 MESHES = [(8, 1), (4, 2), (1, 8)]
-CASES = [(dp, dd, dp * l) for dp, dd in MESHES for l in (1, 2, 4)]
+# Each mesh with two particle counts per device, each count on two meshes.
+CASES = [(dp, dd, dp * l) for (dp, dd), ls in zip(MESHES, ((1, 4), (2, 4), (1, 2))) for l in ls]
 
 
 def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=None):
@@ -100,7 +101,7 @@ def test_elastic_pull_matches_reference(dp, dd, p, alpha):
       np.testing.assert_allclose(leaf, np.broadcast_to(leaf[0], leaf.shape), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (8, 1, 16), (1, 8, 2)])
+@pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (1, 8, 2)])
 def test_shared_parameters_match_reference(dp, dd, p):
   """The first conv and its BatchNorm shared: stored once, consensus-updated, never resampled."""
   config = helpers.tiny_config(num_particles=p, temperature=4.0, correction=0.3, ess_threshold=0.9,

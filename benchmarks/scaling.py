@@ -1,0 +1,131 @@
+"""A pod-scale simulation of the ipf step, compile only, on fake CPU devices.
+
+  python -m benchmarks.scaling                                   # cnn and resnet18 to Dp = 64, resnet50 to 16
+  python -m benchmarks.scaling --models cnn --dps 1,2,8 --per_device 1   # a smoke run
+
+For each model, P = Dp x L particles on Dp devices (L = 1 and 2 per device), the
+train step is compiled three times: without the resampling branch, and with it
+for each exchange (``all_to_all``: one collective of [Dp, L] blocks;
+``rounds``: up to Dp - 1 ``ppermute`` rounds of L particles, each run only when
+a slot needs it). Reported per device, from XLA's ``memory_analysis()`` and the
+compiled HLO (bytes each device sends, as benchmarks/compression.py counts
+them; a ``collective-permute`` sends its whole buffer): peak memory, the
+step's collective bytes without resampling, the bytes one resampling moves when
+1 and when P/2 particles are replaced (``rounds``: bytes of one round times the
+rounds that resampling runs, averaged over 20 random replacements), and compile
+time. Each device count runs in its own process (the fake device count is fixed
+when JAX starts). ResNets on 32 x 32 images (a CIFAR stem): the parameter and
+optimizer state is the full model's; activations are small.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+DEFAULT_DPS = {"cnn": "1,2,4,8,16,32,64", "resnet18": "1,2,4,8,16,32,64", "resnet50": "1,4,16"}
+
+
+def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
+  """One compile on ``dp`` fake devices (this process was started with that many)."""
+  import jax
+  import numpy as np
+
+  from benchmarks.common import Bench, memory_mib
+  from benchmarks.compression import collective_bytes
+  from ipf_jax import defaults
+  from ipf_jax import filter as pf
+  config = defaults.get_config()
+  config.model, config.num_cpu_devices, config.small_inputs = model, 0, True
+  config.num_particles, config.particle_axis_size = dp * per_device, dp
+  config.global_batch_size = dp * per_device * 8
+  config.resample_exchange = exchange if exchange != "none" else "all_to_all"
+  shape, classes = ((8, 8, 1), 10) if model == "cnn" else ((32, 32, 3), 10)
+  t = time.perf_counter()
+  bench = Bench(config, shape, classes, {"resampling": False} if exchange == "none" else None)
+  compiled = bench.compiled()
+  compile_s = time.perf_counter() - t
+  hlo = compiled.as_text()
+  out = {"model": model, "dp": dp, "per_device": per_device, "exchange": exchange, "compile_s": compile_s,
+         "peak_mib": memory_mib(compiled)["peak"], "collective_bytes": collective_bytes(hlo),
+         "particle_bytes": sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                               for x in jax.tree.leaves((bench.abstract.params, bench.abstract.opt_state,
+                                                         bench.abstract.batch_stats))) // (dp * per_device)}
+  if exchange == "rounds" and dp > 1:
+    p = dp * per_device
+    rng = np.random.default_rng(0)
+    rounds = {}
+    for k in (1, max(1, p // 2)):
+      counts = []
+      for _ in range(20):
+        src = np.arange(p)
+        slots = rng.choice(p, k, replace=False)
+        src[slots] = rng.choice(np.setdiff1d(np.arange(p), slots), k)  # each replaced by a survivor
+        counts.append(int(np.asarray(pf.active_shifts(src, per_device, dp))[1:].sum()))
+      rounds[k] = float(np.mean(counts))
+    out["rounds_run"] = rounds
+  return out
+
+
+def run_child(model, dp, per_device, exchange):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={dp}")
+  r = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--child", model, str(dp), str(per_device),
+                      exchange], env=env, capture_output=True, text=True)
+  if r.returncode:
+    raise RuntimeError(r.stderr[-3000:])
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", default="cnn,resnet18,resnet50")
+  parser.add_argument("--dps", default=None, help="device counts (default per model: %s)" % DEFAULT_DPS)
+  parser.add_argument("--per_device", default="1,2")
+  parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    model, dp, per_device, exchange = args.child
+    print(json.dumps(child(model, int(dp), int(per_device), exchange)))
+    return
+  from benchmarks.common import print_summary
+  results = []
+  for model in args.models.split(","):
+    for per_device in [int(x) for x in args.per_device.split(",")]:
+      for dp in [int(x) for x in (args.dps or DEFAULT_DPS[model]).split(",")]:
+        row = {e: run_child(model, dp, per_device, e) for e in ("none", "all_to_all", "rounds")}
+        results.append(row)
+        print(f"compiled {model} Dp={dp} L={per_device}: peak none/all_to_all/rounds = "
+              + "/".join(f"{row[e]['peak_mib']:.1f}" for e in row) + " MiB", flush=True)
+  print("\n| model | L | Dp | particle MiB | peak MiB, no resampling | ÷, all_to_all | ÷, rounds | step collectives "
+        "KiB | one resampling KiB, K=1: all_to_all / rounds | K=P/2: all_to_all / rounds | compile s (none / "
+        "all_to_all / rounds) |")
+  print("|" + "---|" * 11)
+  summary = []
+  for row in results:
+    none, a2a, rnd = row["none"], row["all_to_all"], row["rounds"]
+    p_bytes = none["particle_bytes"]
+    base = sum(none["collective_bytes"].values())
+    a2a_bytes = sum(a2a["collective_bytes"].values()) - base  # the exchange: every resampling moves all of it
+    per_round = rnd["collective_bytes"].get("collective-permute", 0.0) / max(1, none["dp"] - 1)
+    rounds_run = rnd.get("rounds_run", {})
+    k_half = max(1, none["dp"] * none["per_device"] // 2)
+    r1, rh = per_round * rounds_run.get(1, 0.0), per_round * rounds_run.get(k_half, 0.0)
+    kib = lambda b: f"{b / 1024:.0f}"
+    print(f"| {none['model']} | {none['per_device']} | {none['dp']} | {p_bytes / 2 ** 20:.1f} | {none['peak_mib']:.1f} | "
+          f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "
+          f"{kib(a2a_bytes)} / {kib(r1)} | {kib(a2a_bytes)} / {kib(rh)} | {none['compile_s']:.0f} / "
+          f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} |")
+    summary.append({"model": none["model"], "L": none["per_device"], "dp": none["dp"], "particle_bytes": p_bytes,
+                    "peak_none_mib": none["peak_mib"], "peak_ratio_all_to_all": a2a["peak_mib"] / none["peak_mib"],
+                    "peak_ratio_rounds": rnd["peak_mib"] / none["peak_mib"], "step_collective_bytes": base,
+                    "resample_bytes_all_to_all": a2a_bytes, "resample_bytes_rounds_k1": r1,
+                    "resample_bytes_rounds_khalf": rh, "compile_s": [none["compile_s"], a2a["compile_s"],
+                                                                    rnd["compile_s"]]})
+  print_summary({"benchmark": "scaling", "rows": summary})
+
+
+if __name__ == "__main__":
+  main()
