@@ -7,7 +7,7 @@
 Exit codes: 0 finished; 1 error (one line "error: ..."); 2 bad command line;
 69 a peer process did not start or was lost; 75 stopped at
 config.time_limit_minutes; 130 stopped by SIGINT; 143 stopped by SIGTERM or a
-preemption notice. After 75, 130 and 143 a checkpoint is saved: rerun the same
+preemption notice (multi-process runs: any signal). After 75, 130 and 143 a checkpoint is saved: rerun the same
 command to resume.
 """
 from ipf_jax import cli

@@ -45,8 +45,6 @@ from ipf_jax import workdir as workdir_lib
 
 log = logging.getLogger("ipf_jax")
 
-# Fields that change what the saved state means without changing its shapes.
-MEANING_FIELDS = ("dataset",)
 ASIDE_SUFFIX = ".unreadable"
 # Markers of a read failure in the errors orbax and TensorStore raise for damaged files.
 _READ_FAILURES = ("Encountered error while reading array", "DATA_LOSS", "Error reading", "not found",
@@ -99,10 +97,10 @@ def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
   for field in sorted(set(saved) & set(current)):
     if saved[field] == current[field]:
       continue
-    trial = ml_collections.ConfigDict(config.to_dict())
-    value = saved[field]
-    trial[field] = tuple(value) if isinstance(value, list) else value
     try:
+      trial = ml_collections.ConfigDict(config.to_dict())
+      value = saved[field]
+      trial[field] = tuple(value) if isinstance(value, list) else value
       if shapes_for(trial) != base:
         fields.append(field)
     except Exception:  # noqa: BLE001 - a value this code cannot build a state from says nothing
@@ -112,15 +110,16 @@ def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
 
 def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Signature,
                      config: ml_collections.ConfigDict, where: str,
-                     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None) -> None:
-  """Raises ``CheckpointError`` when the saved state cannot be restored into this run's state."""
+                     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
+                     saved_data: Optional[str] = None, data: Optional[str] = None) -> None:
+  """Raises ``CheckpointError`` when the saved state cannot be restored into this run's state, or was
+  trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree)."""
   saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
-  for field in MEANING_FIELDS:
-    if saved_flat.get(field) != current_flat.get(field):
-      raise CheckpointError(
-          f"the checkpoint in {where} was written with config.{field}={saved_flat.get(field)!r}, this run has "
-          f"config.{field}={current_flat.get(field)!r}. Resume with --config.{field}={saved_flat.get(field)!r}, "
-          "or use a new --workdir to start a fresh run. Nothing was changed.")
+  if saved_data and data and saved_data != data:
+    raise CheckpointError(
+        f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} (config.dataset, or "
+        "the data you pass). Resume on the same data, or use a new --workdir to start a fresh run. Nothing was "
+        "changed.")
   if saved_sig == current_sig:
     return
   differing = sorted((p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),
@@ -139,6 +138,33 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
              "ipf_jax; resume with that version, or")
   raise CheckpointError(f"the checkpoint in {where} does not fit this run's state: {what}. {cause} use a new "
                         "--workdir to start a fresh run. Nothing was changed.")
+
+
+# What a failed write says, in the words of the operating system (TensorStore wraps them in long messages).
+_OS_ERRORS = ("File too large", "Disk quota exceeded", "Read-only file system", "Permission denied",
+              "Input/output error")
+
+
+def _save_cause(error: BaseException) -> str:
+  """One short cause of a failed save: "no space left on the device", "File too large", ..."""
+  e, texts = error, []
+  while e is not None:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+      return "no space left on the device" + (f" ({e.strerror})" if e.strerror != "No space left on device" else "")
+    texts.append(str(e))
+    e = e.__cause__ or e.__context__
+  text = " ".join(texts)
+  if "RESOURCE_EXHAUSTED" in text or "No space left" in text:
+    return "no space left on the device"
+  for known in _OS_ERRORS:
+    if known in text:
+      return known
+  e = error
+  while e is not None:
+    if isinstance(e, OSError) and e.strerror:
+      return f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+    e = e.__cause__ or e.__context__
+  return str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
 
 
 def _flag_value(value) -> str:
@@ -169,12 +195,14 @@ class Checkpointer:
   ``read_only`` (``--eval_only``): creates nothing, moves nothing, skips what it cannot read.
   """
 
-  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
+  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, read_only: bool = False,
+               data_name: Optional[str] = None):
     self.directory = epath.Path(workdir).absolute() / "checkpoints"
-    self.keep, self.async_save, self.read_only = keep, async_save, read_only
+    self.keep, self.async_save, self.read_only, self.data_name = keep, async_save, read_only, data_name
     self._manager = None  # created at the first save: a run that is refused creates nothing
     self._pending: Optional[int] = None  # step of the save in flight
     self._quarantine = _Quarantine()
+    self._failed = False
 
   # ---- listing -------------------------------------------------------------------------------
   def steps(self) -> list[int]:
@@ -211,7 +239,7 @@ class Checkpointer:
       return  # already saved (e.g. a stop right after a periodic save)
     self._check_space(step, state)
     meta = {"step": int(step), "config": json.loads(config.to_json()), "num_devices": jax.device_count(),
-            "num_processes": jax.process_count()}
+            "num_processes": jax.process_count(), "data": self.data_name}
     self._pending = step
     self._quarantine.begin()
     try:
@@ -266,18 +294,9 @@ class Checkpointer:
 
   def _save_error(self, step: Optional[int], error: BaseException, started: bool = True) -> SaveError:
     if started:
+      self._failed = True
       self._quarantine.keep()
-    cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-    e = error
-    while e is not None:
-      if isinstance(e, OSError) and e.errno == errno.ENOSPC or "RESOURCE_EXHAUSTED" in str(e) \
-          or "No space left" in str(e):
-        cause = "no space left on the device" + (f" ({e.strerror})" if isinstance(e, OSError) and e.strerror
-                                                 and e.errno == errno.ENOSPC else "")
-        break
-      if isinstance(e, OSError) and e.strerror:
-        cause = f"{e.strerror} ({e.filename})" if e.filename else e.strerror
-      e = e.__cause__ or e.__context__
+    cause = _save_cause(error)
     kept = [s for s in self.steps() if s != step]
     newest = f"the newest complete checkpoint is step {kept[-1]} (kept)" if kept else "no complete checkpoint exists"
     return SaveError(f"saving checkpoint {step} to {self.directory} failed: {cause}; "
@@ -295,13 +314,16 @@ class Checkpointer:
       self._manager = None
 
   def abandon(self) -> None:
-    """Releases orbax's threads after a failure, without raising."""
+    """Releases orbax's threads after a failure, without raising; stderr is given back unless a save
+    failed (then its writers' noise keeps going to the quarantine)."""
     if self._manager is not None:
       try:
         self._manager.close()
       except Exception:  # noqa: BLE001
         pass
       self._manager = None
+    if not self._failed:
+      self._quarantine.release()
 
   # ---- restoring -----------------------------------------------------------------------------
   def _read(self, step: int):
@@ -350,7 +372,8 @@ class Checkpointer:
       state, (meta, saved_or_why) = None, self._read(step)
       why = None if meta is not None else saved_or_why
       if why is None:
-        check_compatible(saved_or_why, meta["config"], current, config, where, shapes_for)
+        check_compatible(saved_or_why, meta["config"], current, config, where, shapes_for, meta.get("data"),
+                         self.data_name)
         state, why = self._restore(step, abstract_state)
       if not _everywhere(why is None):
         damaged.append((step, why or "another process could not read its part of it"))
@@ -420,6 +443,15 @@ def _settle(seconds: float = 2.0) -> None:
   gc.collect()
 
 
+_QUIET_BACKGROUND_FAILURES = [False]
+
+
+def quiet_background_failures(enabled: bool = True) -> None:
+  """The command line's choice (``cli.main``): hold stderr back while a background save is in flight
+  (see ``_Quarantine``). Off for library use: a notebook or script keeps its stderr as it is."""
+  _QUIET_BACKGROUND_FAILURES[0] = enabled
+
+
 class _Quarantine:
   """stderr held back while a background save is in flight (command-line runs only).
 
@@ -437,7 +469,7 @@ class _Quarantine:
     self._buffer = None
 
   def begin(self) -> None:
-    if self._buffer is None and sys.stderr is sys.__stderr__:
+    if self._buffer is None and _QUIET_BACKGROUND_FAILURES[0] and sys.stderr is sys.__stderr__:
       self._buffer = io.StringIO()
       sys.stderr = self._buffer
 
@@ -448,8 +480,9 @@ class _Quarantine:
     self._buffer = None
 
   def keep(self) -> None:
-    """For good: the rest of the process's stderr is dropped."""
-    if self._buffer is None and sys.stderr is sys.__stderr__:
+    """For good: the rest of the process's stderr is dropped (the command line prints its last line to
+    ``sys.__stderr__``)."""
+    if self._buffer is None and _QUIET_BACKGROUND_FAILURES[0] and sys.stderr is sys.__stderr__:
       self._buffer = io.StringIO()
       sys.stderr = self._buffer
     if self._buffer is not None:

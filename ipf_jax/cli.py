@@ -6,7 +6,8 @@
 Exit codes: 0 finished; 1 error (one line "error: ..."); 2 bad command line;
 69 a peer process did not start or was lost; 75 stopped at
 config.time_limit_minutes; 130 stopped by SIGINT; 143 stopped by SIGTERM or a
-preemption notice. After 75, 130 and 143 a checkpoint is saved: rerun the same
+preemption notice (in a multi-process run, any signal: every process stops at
+the step JAX's preemption sync point names). After 75, 130 and 143 a checkpoint is saved: rerun the same
 command to resume.
 """
 import difflib
@@ -72,12 +73,16 @@ def _field(arg: str) -> str:
 
 
 def default_config_path() -> str:
-  """``configs/digits.py``: in the working directory (a checkout), else the copy installed with the package."""
-  if os.path.isfile(os.path.join("configs", "digits.py")):
-    return os.path.join("configs", "digits.py")
+  """This package's ``configs/digits.py``: the checkout's beside ``ipf_jax/`` (``python train.py``), else
+  the copy installed with the package as ``ipf_jax.configs`` (``ipf-train``); never another directory's."""
   import importlib.util
+  import ipf_jax
+  checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ipf_jax.__file__))), "configs",
+                          "digits.py")
+  if os.path.isfile(checkout):
+    return os.path.relpath(checkout) if not os.path.relpath(checkout).startswith("..") else checkout
   spec = importlib.util.find_spec("ipf_jax.configs")
-  return os.path.join(list(spec.submodule_search_locations)[0], "digits.py") if spec else "configs/digits.py"
+  return os.path.join(list(spec.submodule_search_locations)[0], "digits.py") if spec else checkout
 
 
 def _define_config_flag() -> None:
@@ -111,6 +116,7 @@ def main(argv):
   # Failures reach the user as one line each; orbax's and asyncio's own tracebacks of them would bury it.
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
+  checkpoint.quiet_background_failures()  # and those of a background save that fails (a full disk)
   trainer.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
   watch = cluster.start(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                         startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
@@ -128,10 +134,10 @@ def main(argv):
     return e.exit_code
   except KeyboardInterrupt:
     error = "interrupted"
-    print("interrupted (second Ctrl-C): stopped at once, nothing saved since the newest checkpoint",
-          file=sys.__stderr__)
+    print("interrupted: stopped at once; nothing saved since the newest checkpoint", file=sys.__stderr__)
     return preemption.EXIT_SIGINT
   except Exception as e:  # noqa: BLE001
+    sys.stderr = sys.__stderr__  # a traceback is never held back
     if watch is None:
       raise  # one process: a bug shows its traceback
     watch.fail(e)  # several: one line, the peers told, no wait in JAX's exit barrier

@@ -12,6 +12,7 @@ from typing import Optional
 
 import ml_collections
 
+from ipf_jax import filter as pf
 from ipf_jax import mesh as mesh_lib
 
 MODES = ("ddp", "ensemble", "ipf")
@@ -19,7 +20,7 @@ LR_SCALING = ("none", "linear", "sqrt")
 DTYPES = ("float32", "bfloat16", "float16")
 INITS = ("auto", "shared", "independent")
 PARTICLE_LOOPS = ("vmap", "map", "unroll")
-EXCHANGES = ("auto", "all_to_all", "rounds")
+EXCHANGES = ("auto",) + pf.EXCHANGES
 
 
 class ConfigError(ValueError):

@@ -87,4 +87,5 @@ def get_config():
   config.num_devices = 0               # devices to use (0 = all)
   config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
   config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)
+  config.lock()  # a misspelt field is an error naming the closest one, not a new field nobody reads
   return config

@@ -15,6 +15,7 @@ from ipf_jax import filter as pf
 from ipf_jax import fusion
 from ipf_jax import sharing
 from ipf_jax.data import layout
+from ipf_jax.data.errors import DataError
 from ipf_jax.mesh import DATA, PARTICLE
 from ipf_jax.particles import over_particles
 from ipf_jax.state import ParticleState, state_specs
@@ -112,6 +113,8 @@ def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: 
     sums = wait(eval_step(state, layout.put_eval_batch(batch, mesh), fused_bn))
     weights = sums.pop("weights")
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
+  if total is None:
+    raise DataError("the evaluation set is empty: eval_batches gave no batch")
   results = {k: task.finalize(v) for k, v in jax.device_get(total).items()}
   results["weights"] = np.asarray(jax.device_get(weights))
   return results

@@ -26,6 +26,7 @@ from ipf_jax import preemption
 from ipf_jax import summary
 from ipf_jax import workdir as workdir_lib
 from ipf_jax.data import create_dataset
+from ipf_jax.data.errors import DataError
 from ipf_jax.data import layout
 from ipf_jax.preemption import RunStopped
 from ipf_jax.task import Task
@@ -54,7 +55,7 @@ class _LogFile(logging.FileHandler):
     err = sys.exc_info()[1]
     log.removeHandler(self)
     print(f"warning: cannot write {self.baseFilename} ({getattr(err, 'strerror', None) or err}); progress goes "
-          "to stdout only", file=sys.stderr, flush=True)
+          "to stdout only", file=sys.__stderr__, flush=True)
 
 
 def setup_logging(workdir: Optional[str]) -> None:
@@ -139,8 +140,13 @@ class _Run:
     configuration.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
-    self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)
-    self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch)
+    self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)  # None: unknown
+    if self.steps_per_epoch is None and (config.num_epochs or config.warmup_epochs):
+      raise configuration.ConfigError(
+          "num_epochs" if config.num_epochs else "warmup_epochs",
+          f"the data {self.dataset.name!r} does not know its epoch length; give it one (ipf_jax.Data("
+          "steps_per_epoch_fn=...)) or count in steps (num_train_steps, warmup_steps)")
+    self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch or 1)
     self.spec, self.mesh, self.total, self.lr_fn = (self.parts.spec, self.parts.mesh, self.parts.total_steps,
                                                     self.parts.lr_fn)
     if for_training:
@@ -162,7 +168,8 @@ class _Run:
     """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task
     you brought, with your model): what a checkpoint must match. Compiles nothing."""
     task = build_lib.zoo_task(config, self.dataset.num_classes) if self.zoo else self.task
-    return checkpoint_lib.signature(build_lib.state_shapes(config, task, self.dataset.example, self.steps_per_epoch))
+    return checkpoint_lib.signature(build_lib.state_shapes(config, task, self.dataset.example,
+                                                           self.steps_per_epoch or 1))
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer):
     """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""
@@ -236,7 +243,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: O
   ``eval_results.step<N>.json`` and ``fused_model.step<N>.*`` beside the run's own.
   """
   run = _Run(config, workdir, for_training=False, task=task, data=data)
-  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, read_only=True)
+  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, read_only=True,
+                                     data_name=run.dataset.name)
   state = run.restore(ckpt)
   if state is None:
     raise checkpoint_lib.CheckpointError(f"--eval_only: no checkpoint in {ckpt.directory}; train first with the "
@@ -269,42 +277,69 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Op
 
 def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
   # ---- state: resume, or start a new run ---------------------------------------------------------
-  config, spec, mesh, total = run.config, run.spec, run.mesh, run.total
+  config = run.config
   ckpt = None
   state = None
   if config.checkpoint_every_steps >= 0:
     ckpt = checkpoint_lib.Checkpointer(run.workdir, keep=config.keep_checkpoints,
-                                       async_save=config.async_checkpointing)
-    state = run.restore(ckpt)
+                                       async_save=config.async_checkpointing, data_name=run.dataset.name)
+  try:
+    if ckpt is not None:
+      state = run.restore(ckpt)
+    else:
+      _refuse_to_overwrite(run.workdir)
+    return _train_from(run, control, ckpt, state, step_hook)
+  finally:
+    if ckpt is not None:
+      ckpt.abandon()  # after an error: orbax's threads released, stderr given back
+
+
+def _refuse_to_overwrite(workdir: str) -> None:
+  """``checkpoint_every_steps=-1`` cannot resume: it must not start over in a workdir that holds a run."""
+  held = [name for name in ("checkpoints", "eval_results.json") if os.path.exists(os.path.join(workdir, name))]
+  if held:
+    raise checkpoint_lib.CheckpointError(
+        f"--workdir {workdir} holds a run ({', '.join(held)}) and config.checkpoint_every_steps=-1 cannot resume "
+        "it: training would start from step 0 and overwrite its results. Resume with checkpoint_every_steps >= 0, "
+        "or use a new --workdir.")
+
+
+def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_hook) -> dict:
   if jax.process_index() == 0:  # only once the checkpoint is known to fit this config
     keep_log(run.workdir)
-    workdir_lib.write_atomic(os.path.join(run.workdir, "config.json"), config.to_json(indent=2))
+    workdir_lib.write_atomic(os.path.join(run.workdir, "config.json"), run.config.to_json(indent=2))
   if state is None:
     state = run.parts.init_state()
   start = int(state.step)
   newest = start if ckpt is not None and ckpt.latest_step() == start else None
-  early = control.signal_stop()
-  if early is not None:  # a signal during setup: nothing trained, nothing new to save
+  # A signal during setup: nothing trained, nothing new to save. With several processes JAX's preemption
+  # sync point decides at the first step instead, so that every process stops at the same one.
+  early = control.signal_stop() if jax.process_count() == 1 else None
+  if early is not None:
     message = (f"stopped by {early.reason} before training step {start + 1}; nothing new to save"
                + (f" (newest checkpoint: step {newest})" if newest is not None else ""))
     log.info(message)
     raise RunStopped(message, early.exit_code)
-  train_step = run.parts.train_step
   writer = summary.SummaryWriter(run.workdir)
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
   try:
-    state, stop, newest, save_error = _loop(run, control, ckpt, writer, train_step, state, newest, interrupted,
-                                            step_hook)
+    state, stop, newest, save_error = _loop(run, control, ckpt, writer, run.parts.train_step, state, newest,
+                                            interrupted, step_hook)
     if save_error is not None:
-      # Full disk or lost directory: what was saved stays; still show how the unsaved state does.
-      log.info("a checkpoint could not be saved; evaluating the state in memory (step %d, not saved)",
-               int(state.step))
-      run.finish(state, writer, interrupted=interrupted)
+      # Full disk or lost directory: what was saved stays. One process still shows how the unsaved state
+      # does; several skip it (the evaluation needs every process, and each may have stopped elsewhere).
+      if jax.process_count() == 1:
+        log.info("a checkpoint could not be saved; evaluating the state in memory (step %d, not saved)",
+                 int(state.step))
+        try:
+          run.finish(state, writer, interrupted=interrupted)
+        except InterruptedError:
+          pass
       raise save_error
+    saved = newest == int(state.step)
     if stop is not None:
-      saved = ("checkpoint saved" if newest == int(state.step)
-               else "checkpoints are off (checkpoint_every_steps=-1): nothing saved")
-      message = f"stopped at step {int(state.step)} by {stop.reason}; {saved}; rerun the same command to resume"
+      what = "checkpoint saved" if saved else "checkpoints are off (checkpoint_every_steps=-1): nothing saved"
+      message = f"stopped at step {int(state.step)} by {stop.reason}; {what}; rerun the same command to resume"
       log.info(message)
       raise RunStopped(message, stop.exit_code)
     # ---- final evaluation and export (the last checkpoint is committed) -----------------------
@@ -312,8 +347,9 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
       return run.finish(state, writer, interrupted=interrupted)
     except InterruptedError:
       stop = control.signal_stop()
-      message = (f"stopped by {stop.reason} during the final evaluation at step {int(state.step)}; the checkpoint is "
-                 "saved; rerun the same command to evaluate it")
+      what = ("the checkpoint is saved; rerun the same command to evaluate it" if saved
+              else "checkpoints are off: nothing was saved")
+      message = f"stopped by {stop.reason} during the final evaluation at step {int(state.step)}; {what}"
       log.info(message)
       raise RunStopped(message, stop.exit_code)
   finally:
@@ -329,8 +365,10 @@ def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupt
   last_step = start
   pending = []  # per-step metrics still on the device, fetched at the next log step
   stop = save_error = None
-  batches = layout.prefetch(run.dataset.train_batches(start, config.global_batch_size, config.seed),
-                            lambda b: layout.put_train_batch(b, spec.num_particles, mesh, run.dataset.process_local))
+  prefetched = layout.prefetch(run.dataset.train_batches(start, config.global_batch_size, config.seed),
+                               lambda b: layout.put_train_batch(b, spec.num_particles, mesh,
+                                                                run.dataset.process_local))
+  batches = _until_exhausted(prefetched, run.dataset.name, start)
   try:
     for step in range(start, total):
       batch = next(batches)
@@ -375,7 +413,7 @@ def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupt
         log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done,
                  100 * results["ensemble"]["accuracy"], 100 * results["fused"]["accuracy"])
   finally:
-    batches.close()
+    prefetched.close()
   if ckpt is not None:
     try:
       ckpt.close()  # the newest checkpoint is committed before anything else happens
@@ -390,6 +428,17 @@ def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupt
     log.info("trained %d steps in %s (%.1f steps/s)", done - start, _fmt_time(elapsed),
              (done - start) / max(elapsed, 1e-9))
   return state, stop, newest, save_error
+
+
+def _until_exhausted(batches, name: str, start: int):
+  """``batches``, with one clear error when the data ends before the run does."""
+  step = start
+  for batch in batches:
+    yield batch
+    step += 1
+  raise DataError(f"the training data {name!r} ended at step {step} ({step - start} batches read): "
+                  "train_batches(start_step, ...) must give a batch for every step of the run "
+                  "(config.num_train_steps or num_epochs)")
 
 
 def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
@@ -407,8 +456,9 @@ def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: floa
   scaling = ""
   if state.dynamic_scale is not None:
     scaling = f"  loss scale {float(state.dynamic_scale.scale):g} (overflows {int(state.num_overflows)})"
-  log.info("step %d/%d  epoch %.1f  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
-           "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, done / run.steps_per_epoch, loss,
+  epoch = f"  epoch {done / run.steps_per_epoch:.1f}" if run.steps_per_epoch else ""
+  log.info("step %d/%d%s  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
+           "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, epoch, loss,
            float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
            spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
            float(run.lr_fn(done // config.grad_accum_steps)), rate, _fmt_time(eta))

@@ -85,7 +85,7 @@ class Lock:
 
 
 def free_space(path: str) -> str:
-  """``"12.3 MiB free of 3.0 GiB on /mount"`` for the filesystem holding ``path``."""
+  """``"12.3 MiB free of 3.0 GiB"`` on the filesystem holding ``path``."""
   while path and not os.path.exists(path):
     path = os.path.dirname(path)
   try:

@@ -55,12 +55,12 @@ def listing(path):
 
 # ---- preemption: SIGTERM / SIGINT, then resume ----------------------------------------------------------------
 
-@pytest.mark.parametrize("sig,code,at", [(signal.SIGTERM, 143, "step"), (signal.SIGINT, 130, "eval step 10")])
-def test_signal_saves_then_resume_equals_uninterrupted(uninterrupted, tmp_path, sig, code, at):
-  """Through train.py: SIGTERM at a random step; Ctrl-C during the periodic evaluation (with BatchNorm
-  re-estimation)."""
-  k = random.Random(f"{sig}{at}").randint(2, STEPS - 3)
-  trigger = f"step {k}/{STEPS}" if at == "step" else at
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_saves_then_resume_equals_uninterrupted(uninterrupted, tmp_path, sig, code):
+  """Through train.py: SIGTERM or Ctrl-C at a random step (the periodic evaluation, BatchNorm
+  re-estimation and a background save run in between)."""
+  k = random.Random(f"{sig}").randint(2, STEPS - 3)
+  trigger = f"step {k}/{STEPS}"
   run = helpers.Running(helpers.train_py_argv(tmp_path, *FLAGS))
   assert run.wait_for(trigger) is not None
   run.signal(sig)
@@ -96,10 +96,11 @@ def in_process_reference(tmp_path_factory):
   return workdir, trainer.train_and_evaluate(small_config(), str(workdir))
 
 
-def test_signal_during_compilation_and_during_the_final_evaluation(in_process_reference, tmp_path, monkeypatch):
-  """A signal before the first step has compiled: that step ends, is saved, the run stops. A signal
-  during the final evaluation (BN re-estimation): the last checkpoint is already committed; a rerun
-  only evaluates. Both end where the uninterrupted run ends."""
+def test_signal_during_compilation_evaluation_and_final_evaluation(in_process_reference, tmp_path, monkeypatch):
+  """A signal before the first step has compiled: that step ends, is saved, the run stops. Ctrl-C during
+  the periodic evaluation: it is cut short, the next step is saved, the run stops. A signal during the
+  final evaluation (BN re-estimation): the last checkpoint is already committed; a rerun only
+  evaluates. Each ends where the uninterrupted run ends."""
   from ipf_jax import preemption
   from ipf_jax import trainer
   reference_dir, reference = in_process_reference
@@ -112,6 +113,23 @@ def test_signal_during_compilation_and_during_the_final_evaluation(in_process_re
   with pytest.raises(preemption.RunStopped, match=r"stopped at step 1 by SIGTERM; checkpoint saved") as e:
     trainer.train_and_evaluate(small_config(), str(tmp_path), step_hook=signal_first)
   assert e.value.exit_code == 143 and os.listdir(tmp_path / "checkpoints") == ["1"]
+
+  evaluate = trainer._Run.evaluate
+  cut = []
+
+  def signal_then_evaluate(self, state, fused_bn=None, interrupted=lambda: False):
+    os.kill(os.getpid(), signal.SIGINT)
+    try:
+      return evaluate(self, state, fused_bn, interrupted)
+    except InterruptedError:
+      cut.append(int(state.step))
+      raise
+
+  with monkeypatch.context() as m:
+    m.setattr(trainer._Run, "evaluate", signal_then_evaluate)
+    with pytest.raises(preemption.RunStopped, match=r"stopped at step 5 by SIGINT; checkpoint saved") as e:
+      trainer.train_and_evaluate(small_config(eval_every_steps=4), str(tmp_path))
+  assert e.value.exit_code == 130 and cut == [4], "the evaluation at step 4 was cut short, step 5 saved"
 
   original = trainer._Run.fused_bn
 
@@ -127,6 +145,33 @@ def test_signal_during_compilation_and_during_the_final_evaluation(in_process_re
   for row in ("ensemble", "fused"):
     np.testing.assert_array_equal(results[row]["nll"], reference[row]["nll"])
   jax.tree.map(np.testing.assert_array_equal, state_at(tmp_path, 12), state_at(reference_dir, 12))
+
+
+def test_checkpoints_off_never_start_over_on_a_run(uninterrupted, tmp_path):
+  """checkpoint_every_steps=-1 cannot resume: on a workdir that holds a run it stops, touching nothing."""
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted[0], workdir)
+  before = listing(workdir)
+  from ipf_jax import checkpoint
+  from ipf_jax import trainer
+  with pytest.raises(checkpoint.CheckpointError, match="checkpoint_every_steps=-1 cannot resume it"):
+    trainer.train_and_evaluate(small_config(checkpoint_every_steps=-1), str(workdir))
+  assert listing(workdir) == before
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+  """The space check before a save: nothing is written, the error names the path and the free space."""
+  import collections
+  from ipf_jax import checkpoint
+  from ipf_jax import trainer
+  config = small_config(num_train_steps=3, checkpoint_every_steps=2)
+  usage = collections.namedtuple("usage", "total used free")
+  monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10 << 20, 10 << 20, 1 << 20))
+  with pytest.raises(checkpoint.SaveError, match=r"saving checkpoint 2 to .* failed: no space left on the device "
+                     r"\(about [\d.]+ MiB needed\); 1.0 MiB free of 10.0 MiB there. No complete checkpoint exists"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints") or os.listdir(tmp_path / "checkpoints") == []
+  assert (tmp_path / "eval_results.json").exists(), "the state in memory was still evaluated"
 
 
 def test_time_limit_and_wall_clock_saves(tmp_path):
@@ -299,6 +344,9 @@ def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
   if limit == "tmpfs":
     assert "no space left on the device" in error and "The newest complete checkpoint is step 10 (kept)" in error
     assert "10" in saved, "keep_checkpoints=1 never deletes the last good checkpoint before a new one is committed"
+  else:  # the first save's data files are over the limit: it fails in the background, nothing passes as complete
+    assert "File too large" in error and "No complete checkpoint exists" in error, error
+    assert not [d for d in saved if d.isdigit()], saved
   assert "final evaluation at step" in r.stdout and "fused model" in r.stdout, "the table it can still print"
 
 

@@ -130,15 +130,17 @@ def test_any_module_loss_and_label_shape_with_dropout_resumes_identically(tmp_pa
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def test_dropout_keys_differ_between_particles_and_steps():
+def test_dropout_keys_differ_between_particles_shards_and_steps():
   from ipf_jax.particles import particle_keys
   from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((4, 2), ("particle", "data"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  keys = jax.jit(jax.shard_map(lambda k: particle_keys(k, 2)[None], mesh=mesh, in_specs=P(),
-                               out_specs=P(("particle", "data"))))(jax.random.PRNGKey(3))
-  keys = np.asarray(jax.random.key_data(keys) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys)
-  rows = {k.tobytes() for k in keys.reshape(-1, keys.shape[-1])}
-  assert len(rows) == 16, "8 devices x 2 local particles: 16 distinct keys"
+  keys_at = jax.jit(jax.shard_map(lambda k: particle_keys(k, 2)[None], mesh=mesh, in_specs=P(),
+                                  out_specs=P(("particle", "data"))))
+  rows = set()
+  for step in (0, 1):  # the step's key: fold_in(rng, step), as in the train step
+    keys = np.asarray(keys_at(jax.random.fold_in(jax.random.PRNGKey(3), step)))
+    rows |= {k.tobytes() for k in keys.reshape(-1, keys.shape[-1])}
+  assert len(rows) == 32, "2 steps x 4 particle groups x 2 local particles x 2 data shards: all distinct"
 
 
 def test_data_from_your_own_functions(tmp_path):
@@ -148,7 +150,7 @@ def test_data_from_your_own_functions(tmp_path):
   data = ipf_jax.Data(train=lambda start: source.train_batches(start, 64, seed=0),
                       eval=lambda: (dict(image=d.test["image"][i:i + 100], label=d.test["label"][i:i + 100])
                                     for i in range(0, source.test_size, 100)),
-                      example=source.example, name="digits (functions)", test_size=source.test_size)
+                      example=source.example, name="digits", test_size=source.test_size)
   from ipf_jax import builder
   task = builder.zoo_task(library_config(), 10)
   results = ipf_jax.train_and_evaluate(library_config(num_train_steps=12), str(tmp_path), task=task, data=data)
@@ -156,3 +158,26 @@ def test_data_from_your_own_functions(tmp_path):
                                           data=source)  # same checkpoint, eval batches from the arrays
   for row in ("ensemble", "fused"):
     assert results[row]["accuracy"] == pytest.approx(reference[row]["accuracy"], abs=1e-9)
+
+
+def test_your_data_ending_early_or_without_epochs_is_one_clear_error(tmp_path):
+  from ipf_jax import configuration
+  from ipf_jax.data.errors import DataError
+  d = helpers.digits_data()
+  source = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
+  short = ipf_jax.Data(train=lambda start: iter([source.train_batch(k, 64, 0) for k in range(start, 3)]), num_classes=10,
+                       eval=lambda: source.eval_batches(100), example=source.example, name="three batches")
+  with pytest.raises(DataError, match="the training data 'three batches' ended at step 3"):
+    ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path / "a"), data=short)
+  with pytest.raises(configuration.ConfigError, match="num_epochs: the data 'three batches' does not know its epoch"):
+    ipf_jax.train_and_evaluate(library_config(num_epochs=2.0), str(tmp_path / "b"), data=short)
+  with pytest.raises(TypeError, match="train and eval are functions"):
+    ipf_jax.Data(train=[source.example], eval=lambda: [], example=source.example)
+
+
+def test_resuming_on_other_data_is_refused():
+  from ipf_jax import checkpoint
+  sig = {"params/w": ((2,), "float32")}
+  with pytest.raises(checkpoint.CheckpointError, match="was trained on 'digits', this run reads 'my data'"):
+    checkpoint.check_compatible(sig, {}, sig, ipf_jax.default_config(), "ckpt", saved_data="digits", data="my data")
+  checkpoint.check_compatible(sig, {}, sig, ipf_jax.default_config(), "ckpt", saved_data="digits", data="digits")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Callable, Iterable, Iterator, Optional
 
 
@@ -13,16 +12,17 @@ class Data:
   Attributes:
     train: ``start_step -> iterator`` of global batches (dicts of ``[G, ...]`` numpy arrays,
       ``G = config.global_batch_size``) from that step on. Give the same batches for the same steps
-      and a resumed run is identical to an uninterrupted one; a plain iterable is accepted too (a
-      resumed run then skips ``start_step`` batches by reading them).
+      and a resumed run is identical to an uninterrupted one. (BatchNorm re-estimation of the fused
+      model reads ``train(0)`` beside the training stream: each call gives a fresh iterator.)
     eval: ``() -> iterable`` of batches of any size; the evaluation pads and masks them so that every
       example counts once.
     example: one example of each field the model reads, ``[1, ...]`` arrays.
-    steps_per_epoch_fn: ``G -> steps per epoch`` (needed for ``num_epochs``); ``None`` = unknown.
+    steps_per_epoch_fn: ``G -> steps per epoch`` (needed for ``num_epochs`` and ``warmup_epochs``);
+      ``None`` = unknown.
     train_size, test_size: for messages and checks (``None``: not checked).
     process_local: ``train`` gives this process's part of each global batch (multi-host input).
   """
-  train: Callable[[int], Iterator[dict]] | Iterable[dict]
+  train: Callable[[int], Iterator[dict]]
   eval: Callable[[], Iterable[dict]]
   example: dict
   name: str = "data"
@@ -32,13 +32,16 @@ class Data:
   num_classes: Optional[int] = None
   process_local: bool = False
 
-  def steps_per_epoch(self, global_batch_size: int) -> int:
-    return self.steps_per_epoch_fn(global_batch_size) if self.steps_per_epoch_fn else 1
+  def __post_init__(self):
+    if not callable(self.train) or not callable(self.eval):
+      raise TypeError("ipf_jax.Data: train and eval are functions (train(start_step) -> iterator, eval() -> "
+                      "iterable), so that a resumed run can start at its step and each evaluation reads anew")
+
+  def steps_per_epoch(self, global_batch_size: int) -> Optional[int]:
+    return self.steps_per_epoch_fn(global_batch_size) if self.steps_per_epoch_fn else None
 
   def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
-    if callable(self.train):
-      return iter(self.train(start_step))
-    return itertools.islice(iter(self.train), start_step, None)
+    return iter(self.train(start_step))
 
   def eval_batches(self, batch_size: int) -> Iterable[dict]:
     return self.eval()

@@ -76,22 +76,25 @@ def prefetch(batches: Iterator[dict], put: Callable[[dict], dict], size: int = 2
   stop = threading.Event()
   done = object()
 
+  def hand_over(item) -> bool:
+    """Puts ``item`` in the queue unless the consumer has stopped; False when it has."""
+    while not stop.is_set():
+      try:
+        q.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
   def worker():
     try:
       for b in batches:
-        item = put(b)
-        while not stop.is_set():
-          try:
-            q.put(item, timeout=0.1)
-            break
-          except queue.Full:
-            continue
-        if stop.is_set():
+        if not hand_over(put(b)):
           return
     except BaseException as e:  # noqa: BLE001 - handed to the consumer
-      q.put(e)
+      hand_over(e)
       return
-    q.put(done)
+    hand_over(done)
 
   thread = threading.Thread(target=worker, name="ipf_jax-prefetch", daemon=True)
   thread.start()
