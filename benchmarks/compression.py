@@ -49,7 +49,9 @@ def collective_bytes(hlo: str) -> dict:
                for d, dims in SHAPE.findall(result))
     groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
     n = len(groups.group(1).split(",")) if groups else jax.device_count()
-    factor = 2 * (n - 1) / n if op == "all-reduce" else (n - 1) / n
+    # A ring all-reduce sends 2(n-1)/n of its buffer, all-gather/all-to-all/reduce-scatter (n-1)/n (a
+    # device's own block stays), a collective-permute all of it (source and target differ).
+    factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(op, (n - 1) / n)
     out[op] = out.get(op, 0.0) + factor * size
   return out
 

@@ -64,7 +64,7 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
         src = np.arange(p)
         slots = rng.choice(p, k, replace=False)
         src[slots] = rng.choice(np.setdiff1d(np.arange(p), slots), k)  # each replaced by a survivor
-        counts.append(int(np.asarray(pf.active_shifts(src, per_device, dp))[1:].sum()))
+        counts.append(int(np.asarray(pf.active_rounds(src, per_device, dp))[1:].sum()))
       rounds[k] = float(np.mean(counts))
     out["rounds_run"] = rounds
   return out
@@ -112,7 +112,7 @@ def main():
     per_round = rnd["collective_bytes"].get("collective-permute", 0.0) / max(1, none["dp"] - 1)
     rounds_run = rnd.get("rounds_run", {})
     k_half = max(1, none["dp"] * none["per_device"] // 2)
-    r1, rh = per_round * rounds_run.get(1, 0.0), per_round * rounds_run.get(k_half, 0.0)
+    r1, rh = per_round * rounds_run.get("1", 0.0), per_round * rounds_run.get(str(k_half), 0.0)  # JSON keys
     kib = lambda b: f"{b / 1024:.0f}"
     print(f"| {none['model']} | {none['per_device']} | {none['dp']} | {p_bytes / 2 ** 20:.1f} | {none['peak_mib']:.1f} | "
           f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "

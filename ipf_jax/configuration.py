@@ -180,8 +180,8 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
          f"{g} is not divisible by num_particles x data devices = {p} x {dd} = {p * dd}; "
          f"use a multiple of {p * dd} such as {max(1, g // (p * dd)) * p * dd}"
          + (f", or run on num_devices in {fits}" if fits else ""))
-  _check(config.eval_batch_size % dd == 0 and config.eval_batch_size > 0, "eval_batch_size",
-         f"{config.eval_batch_size} must be a positive multiple of the {dd} data devices")
+  _check(config.eval_batch_size > 0, "eval_batch_size",
+         f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)")
   return dp, dd
 
 
@@ -197,7 +197,8 @@ def validate_data(config: ml_collections.ConfigDict, train_size: Optional[int], 
                                    if train_size >= unit else "")
   if config.dataset == "digits" and config.train_fraction < 1:
     raise ConfigError("train_fraction", f"{config.train_fraction} keeps {train_size} training example"
-                      f"{'s' if train_size != 1 else ''}, fewer than one global batch (global_batch_size={g}); raise train_fraction, or lower global_batch_size "
+                      f"{'s' if train_size != 1 else ''}, fewer than one global batch (global_batch_size={g}); "
+                      f"raise train_fraction, or lower global_batch_size "
                       f"to {fit}")
   raise ConfigError("global_batch_size", f"{g} is larger than the {config.dataset} training set ({train_size} "
                     f"examples); use {fit}")

@@ -30,7 +30,7 @@ def get_config():
   config.image_size = 224              # TFDS datasets: training/eval crop size
   config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer
   config.global_batch_size = 128       # G: examples per step, over all particles and devices
-  config.eval_batch_size = 256         # examples per eval step (padded, masked)
+  config.eval_batch_size = 256         # per eval step (rounded up to a multiple of the devices; padded, masked)
   config.train_fraction = 1.0          # embedded datasets: train on this fixed random fraction of the train split
   config.label_noise = 0.0             # embedded datasets: this fraction of train labels replaced by another class
 

@@ -2,7 +2,7 @@
 (every example exactly once: padded last batch, masked) and the final table."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,12 @@ ROWS = (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_un
 def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
   """``eval_step(state, batch, fused_bn=None) -> sums`` for every particle, the ensembles and the fused model.
 
-  ``batch`` is a dict of ``[N, ...]`` arrays with a ``mask`` (1 = real example), sharded over
-  ``"data"`` and seen by every particle. Returns ``task.score`` sums, replicated: ``particles``
-  with a leading ``[P]`` axis, ``ensemble`` (the mixture ``sum_i w_i predictive_i``),
-  ``ensemble_uniform`` (equal weights over finite particles), ``fused`` (``f(sum_i w_i theta_i)``
-  with ``sum_i w_i beta_i``) and, with ``fused_bn`` (replicated BatchNorm statistics from
+  ``batch`` is a dict of ``[N, ...]`` arrays with a ``mask`` (1 = real example), split over every
+  device (``layout.EVAL_BATCH_SPEC``); the step gathers each device's part over ``"particle"``, so
+  that every particle sees every example and no host has to read them all. Returns ``task.score``
+  sums, replicated: ``particles`` with a leading ``[P]`` axis, ``ensemble`` (the mixture
+  ``sum_i w_i predictive_i``), ``ensemble_uniform`` (equal weights over finite particles), ``fused``
+  (``f(sum_i w_i theta_i)`` with ``sum_i w_i beta_i``) and, with ``fused_bn`` (replicated BatchNorm statistics from
   ``fusion.make_fused_bn_fn``), ``fused_bn``; plus ``weights`` ``[P]``.
   """
 
@@ -41,6 +42,7 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
     return task.predictive(outputs, batch)
 
   def local_eval(state: ParticleState, batch, fused_bn):
+    batch = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), batch)  # my data group's examples, every device
     mask = batch["mask"]
     shared = state.shared_params
     pred = over_particles(predict, particle_loop, (0, None, 0, None))(state.params, shared, state.batch_stats, batch)
@@ -100,17 +102,45 @@ def padded(batches: Iterable[dict], batch_size: int):
       yield part
 
 
+def _agreed(batches: Iterable[dict], across_processes: bool) -> Iterator[dict]:
+  """``batches``, continued with all-masked copies of the last one until every process's have ended:
+  each eval step runs on every process, and the parts of the eval set may differ by a batch."""
+  if not across_processes:
+    yield from batches
+    return
+  from jax.experimental import multihost_utils
+  stream, last = iter(batches), None
+  while True:
+    batch = next(stream, None)
+    has, can = multihost_utils.process_allgather(np.array([batch is not None, batch is not None or last is not None],
+                                                          np.int32)).reshape(-1, 2).T
+    if not has.any():
+      return
+    if not can.all():
+      empty = [int(i) for i in np.flatnonzero(can == 0)]
+      raise DataError(f"the evaluation parts of processes {empty} are empty while others are not: each process "
+                      f"reads its own part of the eval set, so it needs at least as many examples as processes")
+    if batch is None:
+      batch = dict(last, mask=np.zeros_like(last["mask"]))
+    last = batch
+    yield batch
+
+
 def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: int, mesh, fused_bn=None,
-             wait: Callable = lambda x: x, interrupted: Callable[[], bool] = lambda: False) -> dict:
+             wait: Callable = lambda x: x, interrupted: Callable[[], bool] = lambda: False,
+             process_local: bool = False) -> dict:
   """``task.finalize``d metrics of every row over ``batches`` (see ``padded``); ``weights`` ``[P]``.
 
-  ``interrupted()`` is asked between batches (raises ``InterruptedError``).
+  ``batches`` is the whole eval set, or (``process_local``) this process's part of it, every example in
+  exactly one process's part; batches of ``layout.eval_batch_sizes(batch_size, mesh)`` (global, per
+  process). ``interrupted()`` is asked between batches (raises ``InterruptedError``).
   """
+  size, local = layout.eval_batch_sizes(batch_size, mesh)
   total = weights = None
-  for batch in padded(batches, batch_size):
+  for batch in _agreed(padded(batches, local if process_local else size), process_local and jax.process_count() > 1):
     if interrupted():
       raise InterruptedError("stop requested")
-    sums = wait(eval_step(state, layout.put_eval_batch(batch, mesh), fused_bn))
+    sums = wait(eval_step(state, layout.put_eval_batch(batch, mesh, process_local), fused_bn))
     weights = sums.pop("weights")
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
   if total is None:

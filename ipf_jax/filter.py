@@ -154,25 +154,27 @@ def exchange_all_to_all(tree, src, axis_name: str, axis_size: int):
   return jax.tree.map(move, tree)
 
 
-def active_shifts(src, num_local: int, axis_size: int):
-  """``[Dp]`` bool, replicated: shift ``k`` is needed when some device's slot takes a particle held by the
-  device ``k`` places before it (``k = 0``: a copy within a device)."""
-  dest_dev = jnp.arange(src.shape[0]) // num_local
-  moved = src != jnp.arange(src.shape[0])
-  shift = (dest_dev - src // num_local) % axis_size
-  return jnp.zeros((axis_size,), jnp.int32).at[shift].max(moved.astype(jnp.int32)) > 0
+def active_rounds(src, num_local: int, axis_size: int):
+  """``[Dp, L]`` bool, replicated: round ``(k, j)`` is needed when some device's slot ``j`` takes a particle
+  held by the device ``k`` places before it (``k = 0``: a copy within a device)."""
+  slots = jnp.arange(src.shape[0])
+  moved = src != slots
+  shift = (slots // num_local - src // num_local) % axis_size
+  need = jnp.zeros((axis_size, num_local), jnp.int32).at[shift, slots % num_local].max(moved.astype(jnp.int32))
+  return need > 0
 
 
 def exchange_rounds(tree, src, axis_name: str, axis_size: int):
-  """``new[n] = old[src[n]]`` by rounds of shifts: memory and traffic for what moves.
+  """``new[n] = old[src[n]]`` by rounds of one particle: memory and traffic for what moves.
 
-  Round ``k = 1 .. Dp-1`` sends, from every device ``d`` to ``d + k`` (``ppermute``), the particles the
-  slots of device ``d + k`` take from device ``d``: ``L`` particles, leaf by leaf; it runs only when a
-  slot needs it (``lax.cond`` on the replicated ``active_shifts``). Copies within a device are a local
-  gather. Per device: buffers of ``O(L)`` particles whatever ``Dp`` (leaf by leaf: packing the particle
-  into flat buffers first, one collective per dtype, measured an extra copy of the particle larger,
-  BENCHMARKS.md "Scaling"); a resampling that replaces ``K`` particles runs at most ``K`` rounds of ``L``
-  particles each; survivors never move.
+  Needs ``src`` from ``assign_slots`` (every source is a survivor kept in its own slot,
+  ``src[src[n]] == src[n]``): slots that receive are never read afterwards, so the rounds update the
+  state in place. Round ``(k, j)``, ``k = 1 .. Dp-1``, ``j < L``: every device ``d`` sends to ``d + k``
+  (``ppermute``) the one particle that slot ``j`` of device ``d + k`` takes from it; it runs only when
+  some slot needs it (``lax.cond`` on the replicated ``active_rounds``). Copies within a device (``k = 0``)
+  are local. Per device: a one-particle buffer per leaf whatever ``Dp`` and ``L``; a resampling that
+  replaces ``K`` particles runs at most ``K`` rounds, each sending one particle per device; survivors
+  never move. ``exchange_all_to_all`` takes any ``src``.
   """
   num_local = jax.tree.leaves(tree)[0].shape[0]
   me = lax.axis_index(axis_name)
@@ -180,20 +182,27 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int):
   src_loc = (src % num_local).reshape(axis_size, num_local)
   mine_dev = lax.dynamic_index_in_dim(src_dev, me, keepdims=False)  # [L] device each of my slots takes from
   mine_loc = lax.dynamic_index_in_dim(src_loc, me, keepdims=False)
-  active = active_shifts(src, num_local, axis_size)
-  sel = lambda mask, a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-  out = jax.tree.map(lambda x: sel(mine_dev == me, x[mine_loc], x), tree)  # copies within this device
-  for k in range(1, axis_size):
-    dest = (me + k) % axis_size
-    sender = (me - k) % axis_size
-    wanted = lax.dynamic_index_in_dim(src_loc, dest, keepdims=False)  # [L]: my particles dest's slots take
+  active = active_rounds(src, num_local, axis_size)
 
-    def round_k(out, wanted=wanted, sender=sender, k=k):
-      perm = [(j, (j + k) % axis_size) for j in range(axis_size)]
-      return jax.tree.map(lambda x, o: sel(mine_dev == sender, lax.ppermute(x[wanted], axis_name, perm), o),
-                          tree, out)
+  def put(o, j, value, take):
+    """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision, no collective
+    inside: a local ``cond`` writes in place; a ``where`` measured one particle larger)."""
+    return lax.cond(take, lambda o, v: lax.dynamic_update_index_in_dim(o, v, j, 0), lambda o, v: o, o, value)
 
-    out = lax.cond(active[k], round_k, lambda out: out, out)
+  one = lambda o, i: lax.dynamic_index_in_dim(o, i, keepdims=False)
+  out = tree
+  for k in range(axis_size):
+    dest, sender = (me + k) % axis_size, (me - k) % axis_size
+    perm = [(d, (d + k) % axis_size) for d in range(axis_size)]
+    for j in range(num_local):
+      if k == 0:  # within this device
+        take = (mine_dev[j] == me) & (mine_loc[j] != j)
+        move = lambda o, j=j, take=take: put(o, j, one(o, mine_loc[j]), take)
+      else:
+        wanted = lax.dynamic_index_in_dim(src_loc, dest, keepdims=False)[j]  # mine that dest's slot j takes
+        move = (lambda o, j=j, wanted=wanted, perm=perm, take=mine_dev[j] == sender:
+                put(o, j, lax.ppermute(one(o, wanted), axis_name, perm), take))
+      out = lax.cond(active[k, j], lambda out, move=move: jax.tree.map(move, out), lambda out: out, out)
   return out
 
 

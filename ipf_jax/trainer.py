@@ -197,9 +197,19 @@ class _Run:
                                 one_program_at_a_time, interrupted)
 
   def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False) -> dict:
+    """Each process reads its own part of the eval set when the dataset can (``eval_process_local``)."""
+    local = getattr(self.dataset, "eval_process_local", False)
+    size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh)
+    self.eval_read = 0
+
+    def counted(batches):
+      for batch in batches:
+        self.eval_read += len(next(iter(batch.values())))
+        yield batch
     return evaluation.evaluate(self.task, self.parts.eval_step, state,
-                               self.dataset.eval_batches(self.config.eval_batch_size), self.config.eval_batch_size,
-                               self.mesh, fused_bn, one_program_at_a_time, interrupted)
+                               counted(self.dataset.eval_batches(per_process if local else size)),
+                               self.config.eval_batch_size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
+                               process_local=local)
 
   def finish(self, state, writer=None, suffix: str = "",
              interrupted: Callable[[], bool] = lambda: False) -> dict:
@@ -210,8 +220,10 @@ class _Run:
     results = self.evaluate(state, fused_bn, interrupted)
     step = int(state.step)
     size = self.dataset.test_size
-    log.info("final evaluation at step %d on %s %s test examples:\n%s", step, size if size else "the",
-             self.dataset.name, evaluation.format_table(results, self.task.columns, self.spec.shared_init))
+    log.info("final evaluation at step %d on %s %s test examples%s:\n%s", step, size if size else "the",
+             self.dataset.name, f" (process 0 read {self.eval_read}: each process reads its own part)"
+             if jax.process_count() > 1 and self.eval_read != size else "",
+             evaluation.format_table(results, self.task.columns, self.spec.shared_init))
     variables, _ = self.parts.fuse(state)
     if fused_bn is not None:
       variables = {**variables, "batch_stats": fused_bn}

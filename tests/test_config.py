@@ -31,7 +31,7 @@ def cfg(**kw):
     (dict(init="random"), 8, "init", "auto, shared, independent"),
     (dict(particle_axis_size=3), 8, "particle_axis_size", "divisor of 8"),
     (dict(num_train_steps=0), 8, "num_train_steps", ">= 1"),
-    (dict(eval_batch_size=3, num_particles=1, global_batch_size=64), 8, "eval_batch_size", "multiple of the 8"),
+    (dict(eval_batch_size=0), 8, "eval_batch_size", "must be positive"),
     (dict(keep_checkpoints=0), 8, "keep_checkpoints", ">= 1"),
     (dict(checkpoint_every_steps=-2), 8, "checkpoint_every_steps", "-1 (never)"),
     (dict(log_every_steps=0), 8, "log_every_steps", ">= 1"),

@@ -122,8 +122,12 @@ def test_exchange_moves_exactly_state_at_src(dp, dd, per_device, method):
   rng = np.random.default_rng(100 * dp + per_device)
   tree = {"w": rng.normal(size=(p, 3, 2)).astype(np.float32), "count": np.arange(p, dtype=np.int32) * 10,
           "nested": (rng.normal(size=(p,)).astype(np.float32),)}
-  sources = [np.arange(p), np.zeros(p, int), np.full(p, p - 1), np.arange(p)[::-1], rng.integers(0, p, size=p),
-             rng.permutation(p)]
+  # What resampling produces (survivors keep their slot): ancestors of every kind, through assign_slots.
+  ancestors = [np.arange(p), np.zeros(p, int), np.full(p, p - 1), np.sort(rng.integers(0, p, size=p)),
+               np.repeat(np.arange(0, p, 2), 2)[:p], np.sort(rng.choice(p, size=p) // 3)]
+  sources = [np.asarray(pf.assign_slots(jnp.asarray(a))) for a in ancestors]
+  if method == "all_to_all":  # takes any source vector, not only resampling's
+    sources += [np.arange(p)[::-1], rng.integers(0, p, size=p), rng.permutation(p)]
   for src in sources:
     out = _exchange_on_mesh(mesh, dp, tree, src, method)
     expect = jax.tree.map(lambda x: x[src], tree)
@@ -131,19 +135,19 @@ def test_exchange_moves_exactly_state_at_src(dp, dd, per_device, method):
 
 
 @pytest.mark.parametrize("dp,per_device", [(8, 1), (4, 2), (8, 2)])
-def test_rounds_run_only_the_shifts_a_resampling_needs(dp, per_device):
-  """The replicated round schedule against a plain loop: shift k is needed when some slot on device d
-  takes a particle from device d - k; replacing K particles needs at most K rounds."""
+def test_rounds_run_only_the_transfers_a_resampling_needs(dp, per_device):
+  """The replicated round schedule against a plain loop: round (k, j) is needed when slot j of some
+  device d takes a particle from device d - k; replacing K particles needs at most K rounds."""
   p = dp * per_device
   rng = np.random.default_rng(dp)
   for k_replaced in (0, 1, p // 2, p - 1):
     src = np.arange(p)
     slots = rng.choice(p, k_replaced, replace=False)
     src[slots] = rng.integers(0, p, size=k_replaced)
-    expect = np.zeros(dp, bool)
+    expect = np.zeros((dp, per_device), bool)
     for n in range(p):
       if src[n] != n:
-        expect[(n // per_device - src[n] // per_device) % dp] = True
-    got = np.asarray(pf.active_shifts(jnp.asarray(src), per_device, dp))
+        expect[(n // per_device - src[n] // per_device) % dp, n % per_device] = True
+    got = np.asarray(pf.active_rounds(jnp.asarray(src), per_device, dp))
     np.testing.assert_array_equal(got, expect)
     assert got[1:].sum() <= k_replaced

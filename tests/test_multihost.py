@@ -1,4 +1,5 @@
 """Real multi-process runs on localhost (gloo CPU collectives): 2 processes x 2 devices."""
+import json
 import os
 import re
 import shutil
@@ -53,6 +54,13 @@ def test_two_hosts_equal_one_host_and_elastic_restore(runs, tmp_path):
   assert "on 4 cpu device(s), 2 process(es)" in out_hosts[0]
   assert "final evaluation" in out_hosts[0] and "final evaluation" not in out_hosts[1], "only process 0 logs"
   assert not (multi / "train.log").read_text().count(f"step 1/{STEPS}") > 1
+
+  # The evaluation: each process read its own half of the test set; the results are the one host's.
+  size = int(re.search(r"final evaluation at step \d+ on (\d+) digits test examples", out_single).group(1))
+  assert f"on {size} digits test examples (process 0 read {(size + 1) // 2}: each process reads" in out_hosts[0]
+  ev_single, ev_multi = (json.loads((w / "eval_results.json").read_text()) for w in (single, multi))
+  for row in ("ensemble", "fused", "particles"):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), ev_single[row], ev_multi[row])
 
   lines_single, lines_multi = step_lines(out_single), step_lines(out_hosts[0])
   assert lines_single.shape == (STEPS, 3)

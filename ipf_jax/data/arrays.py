@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Optional
 
+import jax
 import numpy as np
 
 
@@ -19,6 +20,7 @@ class ArrayDataset:
   num_classes: Optional[int] = None  # classification only
 
   process_local = False  # train batches are the whole global batch (each process places its shards)
+  eval_process_local = True  # eval batches are this process's part of the test set
 
   def __post_init__(self):
     for split in ("train", "test"):
@@ -78,6 +80,9 @@ class ArrayDataset:
       step += 1
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    """Test batches of at most ``batch_size`` (the evaluation pads and masks the last one)."""
-    for start in range(0, self.test_size, batch_size):
-      yield {k: v[start:start + batch_size] for k, v in self.test.items()}
+    """This process's part of the test set (the ``process_index``-th of ``process_count`` near-equal
+    parts) in batches of at most ``batch_size`` (the evaluation pads and masks the last one)."""
+    part = np.array_split(np.arange(self.test_size), jax.process_count())[jax.process_index()]
+    for start in range(0, len(part), batch_size):
+      idx = part[start:start + batch_size]
+      yield {k: v[idx] for k, v in self.test.items()}

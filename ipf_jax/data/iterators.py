@@ -21,6 +21,9 @@ class Data:
       ``None`` = unknown.
     train_size, test_size: for messages and checks (``None``: not checked).
     process_local: ``train`` gives this process's part of each global batch (multi-host input).
+    eval_process_local: ``eval`` gives this process's part of the eval set (each example in exactly one
+      process's part, e.g. ``tfds.split_for_jax_process``), in batches of at most the size the
+      evaluation asks for; ``False``: every process gives the whole set.
   """
   train: Callable[[int], Iterator[dict]]
   eval: Callable[[], Iterable[dict]]
@@ -31,6 +34,7 @@ class Data:
   test_size: Optional[int] = None
   num_classes: Optional[int] = None
   process_local: bool = False
+  eval_process_local: bool = False
 
   def __post_init__(self):
     if not callable(self.train) or not callable(self.eval):

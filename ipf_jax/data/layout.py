@@ -3,8 +3,9 @@
 A batch is a dict of arrays with any keys and shapes. Train batches are laid
 out ``[P, B, ...]`` and sharded ``P("particle", "data")``: particle ``i``
 trains on the ``i``-th of ``P`` equal shards of the global batch, split over
-the devices of its group. Eval batches (with a ``mask``) are sharded over
-``"data"`` and seen by every particle.
+the devices of its group. Eval batches (with a ``mask``) are split over every
+device, each process placing only its own part; the eval step gathers them over
+``"particle"`` so that every particle sees every example.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax.mesh import DATA, PARTICLE
 
 TRAIN_BATCH_SPEC = P(PARTICLE, DATA)  # for every array of a train batch
-EVAL_BATCH_SPEC = P(DATA)  # for every array of an eval batch
+EVAL_BATCH_SPEC = P((PARTICLE, DATA))  # for every array of an eval batch: a different part on each device
 
 
 def particle_layout(batch: dict, num_particles: int) -> dict:
@@ -61,9 +62,22 @@ def put_train_batch(batch: dict, num_particles: int, mesh: jax.sharding.Mesh, pr
   return put_sharded(particle_layout(batch, num_particles), TRAIN_BATCH_SPEC, mesh)
 
 
-def put_eval_batch(batch: dict, mesh: jax.sharding.Mesh) -> dict:
-  """Global ``[N, ...]`` arrays sharded over ``"data"``, replicated over ``"particle"``."""
-  return put_sharded(batch, EVAL_BATCH_SPEC, mesh)
+def eval_batch_sizes(batch_size: int, mesh: jax.sharding.Mesh) -> tuple[int, int]:
+  """``(global, per process)`` eval batch: ``batch_size`` rounded up to a multiple of the device count
+  (the evaluation pads and masks), and its share for each process."""
+  size = -(-batch_size // mesh.size) * mesh.size
+  return size, size // jax.process_count()
+
+
+def put_eval_batch(batch: dict, mesh: jax.sharding.Mesh, process_local: bool = False) -> dict:
+  """Global ``[N, ...]`` arrays split over every device, from the whole batch or (``process_local``)
+  from this process's part of it (``N / process_count`` examples: which part is which does not
+  matter, the evaluation only sums)."""
+  if not process_local:
+    return put_sharded(batch, EVAL_BATCH_SPEC, mesh)
+  sharding = NamedSharding(mesh, EVAL_BATCH_SPEC)
+  return {k: jax.make_array_from_process_local_data(sharding, v, (len(v) * jax.process_count(),) + v.shape[1:])
+          for k, v in batch.items()}
 
 
 def prefetch(batches: Iterator[dict], put: Callable[[dict], dict], size: int = 2) -> Iterator[dict]:

@@ -90,6 +90,7 @@ class TFDSDataset:
   small_images: bool = False  # CIFAR: resize to image_size (no-op at 32), pad-4 random crop + flip
 
   process_local = True  # train batches hold only this process's examples
+  eval_process_local = True  # and eval batches only this process's part of the eval split
 
   def __post_init__(self):
     self.builder = load_builder(self.name, self.data_dir)
@@ -160,8 +161,9 @@ class TFDSDataset:
         step += 1
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    """The whole eval split (every process reads all of it) in batches of at most ``batch_size`` (the
-    evaluation pads and masks the last one)."""
+    """This process's part of the eval split (``tfds.split_for_jax_process``: near-equal parts, every
+    example in one) in batches of at most ``batch_size`` (the evaluation pads and masks the last one)."""
+    import tensorflow_datasets as tfds
     tf = _tf()
     name, size, small = self.name, self.image_size, self.small_images
 
@@ -170,7 +172,8 @@ class TFDSDataset:
       image = tf.image.resize(image, (size, size)) if small else _center_crop(tf, image, size)
       return {"image": _normalize(tf, image, name), "label": tf.cast(example["label"], tf.int32)}
 
-    ds = self.builder.as_dataset(split=EVAL_SPLIT[self.name], shuffle_files=False)
+    split = tfds.split_for_jax_process(EVAL_SPLIT[self.name], drop_remainder=False)
+    ds = self.builder.as_dataset(split=split, shuffle_files=False)
     ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(batch_size).prefetch(2)
     for batch in ds:
