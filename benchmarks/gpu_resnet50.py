@@ -1,85 +1,124 @@
-"""Images/s of the ResNet-50 IPF train step on synthetic data: ddp vs 2 particles per device.
+"""The accelerator check: ResNet-50 train step images/s, MFU and peak memory for DDP and ipf, and a trace.
 
-  python -m benchmarks.gpu_resnet50                       # on a GPU host: ResNet-50, bf16, 256 images/device
+  python -m benchmarks.gpu_resnet50                       # on a GPU: ResNet-50, bf16, 256 images/device, < 8 min
+  python -m benchmarks.gpu_resnet50 --trace /tmp/trace    # also a jax.profiler trace of the fastest ipf L=2
   python -m benchmarks.gpu_resnet50 --tiny                # anywhere: resnet_tiny, 32x32, 8 images/device
   python -m benchmarks.gpu_resnet50 --dtype float16       # GPUs without bfloat16 (V100, T4): dynamic loss scaling
 
-Prints a table and one JSON line (``SUMMARY {...}``) with images/s of each
-mode, their ratio and the model FLOPs utilisation (XLA's cost analysis of the
-compiled step, divided by time and the device's peak bf16 FLOP/s when known).
-The two modes are measured alternately in one process; medians of repeats.
+Variants, each on all local devices with the same images per device (the
+cost of one DDP replica, split over the L particles of a device):
+``ddp`` (one model), ``ipf L=1`` (one particle per device), and ``ipf L=2``
+with each ``particle_loop`` (``vmap``: the particles' convolutions batched,
+i.e. grouped convolutions; ``map``: ``lax.map``, one after the other;
+``unroll``: a Python loop). For each: compile seconds, per-device peak memory
+(XLA's ``memory_analysis`` of the compiled step), step time (median of
+repeats, variants alternating), images/s and MFU (the model FLOPs of a step,
+from XLA's cost analysis of the lowered step, divided by time and the device's
+dense 16-bit peak, where known).
+Prints a table and ``SUMMARY {json}``.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import time
 
 import jax
 
-from benchmarks.common import Bench, measure, print_summary, print_table
+from benchmarks.common import Bench, measure, memory_mib, print_summary, print_table
 from configs import imagenet_r50
 
 # Dense bf16/fp16 peak FLOP/s by device kind (vendor specs), for MFU.
 PEAK_16BIT = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-             "NVIDIA A100-SXM4-40GB": 312e12}
+              "NVIDIA A100-SXM4-40GB": 312e12}
+VARIANTS = {"ddp": ("ddp", 1, "vmap"), "ipf L=1": ("ipf", 1, "vmap"), "ipf L=2 vmap": ("ipf", 2, "vmap"),
+            "ipf L=2 map": ("ipf", 2, "map"), "ipf L=2 unroll": ("ipf", 2, "unroll")}
 
 
-def make(mode, args, devices):
+def make(variant, args, devices):
+  mode, per_device, loop = VARIANTS[variant]
   config = imagenet_r50.get_config()
-  config.model, config.image_size = args.model, args.image_size
-  config.dtype = args.dtype
-  config.num_particles = 1 if mode == "ddp" else 2 * devices
-  config.mode = "ddp" if mode == "ddp" else "ipf"
+  config.model, config.image_size, config.dtype = args.model, args.image_size, args.dtype
+  config.mode, config.particle_loop = mode, loop
+  config.num_particles = 1 if mode == "ddp" else per_device * devices
   config.global_batch_size = args.per_device_batch * devices
   return Bench(config, (args.image_size, args.image_size, 3), 1000)
 
 
+class Timed:
+  """One variant: compiled once, then its own state stepped on one fixed batch."""
+
+  def __init__(self, variant, args, devices):
+    t = time.perf_counter()
+    self.bench = make(variant, args, devices)
+    self.compiled = self.bench.compiled()
+    self.compile_s = time.perf_counter() - t
+    self.memory = memory_mib(self.compiled)
+    # FLOPs of the lowered step: a GPU's compiled module hides its convolutions in library calls, which
+    # XLA's cost analysis does not count; and lax.map's loop body counts once: the MFU takes the largest.
+    cost = self.bench.train_step.lower(self.bench.abstract, self.bench.batch_abstract()).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    self.flops = float(cost.get("flops", 0.0)) if cost else 0.0
+    self.state, self.batch = self.bench.init(), self.bench.synthetic_batch()
+
+  def __call__(self):
+    self.state, metrics = self.compiled(self.state, self.batch)
+    return metrics["loss"]
+
+
 def main():
-  parser = argparse.ArgumentParser(description=__doc__)
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--tiny", action="store_true", help="resnet_tiny, 32x32, 8 images per device (CPU smoke)")
   parser.add_argument("--model", default="resnet50")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
   parser.add_argument("--image_size", type=int, default=224)
   parser.add_argument("--per_device_batch", type=int, default=256)
-  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+  parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--trace", default="", help="write a jax.profiler trace of 3 steps of the fastest ipf L=2 here")
   args = parser.parse_args()
   if args.tiny:
     args.model, args.image_size, args.per_device_batch, args.repeats, args.rounds = "resnet_tiny", 32, 8, 3, 2
   devices = jax.device_count()
-  benches = {m: make(m, args, devices) for m in ("ddp", "ipf_2_per_device")}
-  states, batches, flops = {}, {}, {}
-  for m, b in benches.items():
-    states[m] = b.init()
-    batches[m] = b.synthetic_batch()
-    cost = b.compiled().cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops[m] = float(cost.get("flops", 0.0)) if cost else 0.0
-
-  def step(m):
-    def run():
-      states[m], metrics = benches[m].train_step(states[m], batches[m])
-      return metrics["loss"]
-    return run
-
-  times = measure({m: step(m) for m in benches}, args.repeats, args.rounds)
-  images = args.per_device_batch * devices
   kind = jax.devices()[0].device_kind
-  peak = PEAK_16BIT.get(kind) if args.dtype != "float32" else None
-  rows = []
-  for m in benches:
-    t = times[m]
-    rows.append({"mode": m, "step_ms": 1e3 * t, "images_per_s": images / t,
-                 "mfu": (flops[m] * devices / t / (peak * devices)) if peak and flops[m] else float("nan")})
-  by = {r["mode"]: r for r in rows}
+  names = [v.strip() for v in args.variants.split(",") if v.strip()]
+  unknown = sorted(set(names) - set(VARIANTS))
+  if unknown:
+    parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
   print(f"{args.model} {args.image_size}x{args.image_size}, {args.per_device_batch} images/device, {args.dtype}, "
-        f"{devices} x {kind}")
-  print_table(rows, ["mode", "step_ms", "images_per_s", "mfu"])
-  print_summary({"benchmark": "gpu_resnet50", "model": args.model, "devices": devices,
-                 "device_kind": kind, "per_device_batch": args.per_device_batch, "dtype": args.dtype,
-                 "ddp_images_per_s": by["ddp"]["images_per_s"],
-                 "ipf2_images_per_s": by["ipf_2_per_device"]["images_per_s"],
-                 "ipf2_over_ddp": by["ipf_2_per_device"]["images_per_s"] / by["ddp"]["images_per_s"],
-                 "ddp_mfu": by["ddp"]["mfu"], "ipf2_mfu": by["ipf_2_per_device"]["mfu"]})
+        f"{devices} x {kind}, jax {jax.__version__}", flush=True)
+  timed = {}
+  for name in names:
+    timed[name] = Timed(name, args, devices)
+    print(f"compiled {name} in {timed[name].compile_s:.0f} s: peak {timed[name].memory['peak']:.0f} MiB per device",
+          flush=True)
+  times = measure(timed, args.repeats, args.rounds)
+  l2 = {name: times[name] for name in names if name.startswith("ipf L=2")}
+  if args.trace and l2:
+    best = min(l2, key=l2.get)
+    jax.block_until_ready(timed[best]())
+    with jax.profiler.trace(os.path.join(args.trace, best.replace(" ", "_").replace("=", ""))):
+      for _ in range(3):
+        loss = timed[best]()
+      jax.block_until_ready(loss)
+    print(f"profiler trace of 3 steps of {best} (the fastest ipf L=2) in {args.trace}", flush=True)
+  images = args.per_device_batch * devices
+  peak = PEAK_16BIT.get(kind) if args.dtype != "float32" else None
+  # Model FLOPs of one step: the same images through the same network in every variant.
+  model_flops = max(v.flops for v in timed.values())
+  rows = []
+  for name in names:
+    t, v = times[name], timed[name]
+    rows.append({"variant": name, "compile_s": v.compile_s, "peak_MiB": v.memory["peak"], "step_ms": 1e3 * t,
+                 "images_per_s": images / t, "vs ddp": (times["ddp"] / t) if "ddp" in times else float("nan"),
+                 "mfu": model_flops / t / peak if peak and model_flops else float("nan")})
+  print_table(rows, ["variant", "compile_s", "peak_MiB", "step_ms", "images_per_s", "vs ddp", "mfu"])
+  loops = {r["variant"].split()[-1]: r["images_per_s"] for r in rows if r["variant"].startswith("ipf L=2")}
+  print_summary({"benchmark": "gpu_resnet50", "model": args.model, "devices": devices, "device_kind": kind,
+                 "backend": jax.default_backend(), "jax": jax.__version__, "per_device_batch": args.per_device_batch,
+                 "dtype": args.dtype, "rows": rows,
+                 "best_particle_loop_L2": max(loops, key=loops.get) if loops else None})
 
 
 if __name__ == "__main__":

@@ -76,12 +76,12 @@ def get_config():
   config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
   config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
   config.resample_exchange = "auto"    # how resampled particles move between devices: all_to_all (one
-                                       # collective of P particles) | rounds (ppermute rounds of L particles,
-                                       # only those needed) | auto (measured choice, BENCHMARKS.md "Scaling")
+                                       # collective of P particles) | rounds (one-particle ppermute rounds,
+                                       # only those needed) | auto (= rounds, measured: BENCHMARKS.md "Scaling")
   config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
                                        # train batches before evaluating and exporting it (0 = weighted average)
 
-  config.particle_loop = "vmap"        # vmap | map | unroll: how a device runs its local particles
+  config.particle_loop = "auto"        # vmap | map | unroll | auto (measured best: unroll on GPUs, else vmap)
 
   # --- devices (DESIGN.md §2) ------------------------------------------------
   config.num_devices = 0               # devices to use (0 = all)

@@ -110,14 +110,17 @@ EXCHANGES = ("all_to_all", "rounds")
 
 
 def choose_exchange(method: str, axis_size: int) -> str:
-  """``auto``: ``rounds`` (smaller peak memory at every measured ``Dp >= 2``, BENCHMARKS.md "Scaling");
-  otherwise ``method``."""
+  """``auto``: ``rounds`` (peak memory within a few percent of a step without resampling at every measured
+  ``Dp``, where ``all_to_all`` grows with ``Dp``; step time equal within noise on CPU devices:
+  BENCHMARKS.md "Scaling"); otherwise ``method``."""
   return "rounds" if method == "auto" else method
 
 
 def exchange(tree, src, axis_name: str, axis_size: int, method: str = "all_to_all"):
   """``new[n] = old[src[n]]`` for every per-particle leaf, across devices (``method``: see
-  ``exchange_all_to_all`` and ``exchange_rounds``; both are exact copies)."""
+  ``exchange_all_to_all`` and ``exchange_rounds``; both are exact copies). ``rounds`` needs ``src`` from
+  ``assign_slots`` (every source keeps its own slot, ``src[src[n]] == src[n]``); ``all_to_all`` takes
+  any ``src``."""
   if axis_size == 1:
     return jax.tree.map(lambda x: x[src], tree)
   if not jax.tree.leaves(tree):
@@ -164,6 +167,9 @@ def active_rounds(src, num_local: int, axis_size: int):
   return need > 0
 
 
+BIG_LEAVES = 8
+
+
 def exchange_rounds(tree, src, axis_name: str, axis_size: int):
   """``new[n] = old[src[n]]`` by rounds of one particle: memory and traffic for what moves.
 
@@ -184,10 +190,17 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int):
   mine_loc = lax.dynamic_index_in_dim(src_loc, me, keepdims=False)
   active = active_rounds(src, num_local, axis_size)
 
+  sizes = sorted(x.size for x in jax.tree.leaves(tree))
+  big = sizes[-min(len(sizes), BIG_LEAVES)]
+
   def put(o, j, value, take):
-    """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision, no collective
-    inside: a local ``cond`` writes in place; a ``where`` measured one particle larger)."""
-    return lax.cond(take, lambda o, v: lax.dynamic_update_index_in_dim(o, v, j, 0), lambda o, v: o, o, value)
+    """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision), in place: for the
+    ``BIG_LEAVES`` largest leaves by a local ``cond`` (measured the smallest peak), for the others by a
+    ``where`` (a ``cond`` per leaf and round would multiply the compile time)."""
+    if o.size >= big:
+      return lax.cond(take, lambda o, v: lax.dynamic_update_index_in_dim(o, v, j, 0), lambda o, v: o, o, value)
+    return lax.dynamic_update_index_in_dim(o, jnp.where(take, value, lax.dynamic_index_in_dim(o, j, keepdims=False)),
+                                           j, 0)
 
   one = lambda o, i: lax.dynamic_index_in_dim(o, i, keepdims=False)
   out = tree
@@ -232,7 +245,7 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
   """Systematic resampling of the whole population, survivors in place (DESIGN.md §3.5).
 
   ``u`` from ``fold_in(key, 0)``; ``a = systematic_resample(u, all_log_w)``; slot ``n`` takes particle
-  ``assign_slots(a)[n]`` (``exchange``); copies get ``jitter`` from ``fold_in(key, 1)`` when
+  ``assign_slots(a)[n]`` (``exchange``: survivors keep their slots, as ``exchange_rounds`` requires); copies get ``jitter`` from ``fold_in(key, 1)`` when
   ``sigma > 0``; weights reset to ``-log P``.
 
   Args:

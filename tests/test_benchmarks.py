@@ -17,11 +17,16 @@ def run_module(module, *args, devices=1):
   return json.loads(line[len("SUMMARY "):])
 
 
-def test_gpu_resnet50_tiny_on_cpu():
-  s = run_module("benchmarks.gpu_resnet50", "--tiny", "--dtype", "float16", devices=2)  # bf16: test_tfds
+def test_gpu_resnet50_tiny_on_cpu(tmp_path):
+  s = run_module("benchmarks.gpu_resnet50", "--tiny", "--dtype", "float16", "--variants", "ddp,ipf L=2 map",
+                 "--trace", str(tmp_path), devices=2)  # bf16: test_tfds
   assert s["devices"] == 2 and s["model"] == "resnet_tiny" and s["dtype"] == "float16"
-  assert s["ddp_images_per_s"] > 0 and s["ipf2_images_per_s"] > 0
-  assert abs(s["ipf2_over_ddp"] - s["ipf2_images_per_s"] / s["ddp_images_per_s"]) < 1e-9
+  rows = {r["variant"]: r for r in s["rows"]}
+  assert set(rows) == {"ddp", "ipf L=2 map"} and s["best_particle_loop_L2"] == "map"
+  for r in rows.values():
+    assert r["images_per_s"] > 0 and r["peak_MiB"] > 0 and r["compile_s"] > 0
+  assert abs(rows["ipf L=2 map"]["vs ddp"] - rows["ipf L=2 map"]["images_per_s"] / rows["ddp"]["images_per_s"]) < 1e-9
+  assert list(tmp_path.glob("ipf_L2_map/**/*.xplane.pb")), "a profiler trace was written"
 
 
 def test_memory_benchmark_tiny():

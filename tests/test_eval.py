@@ -106,3 +106,35 @@ def test_fused_bn_statistics_match_plain_computation(dp, dd, p, loop):
   for metric, value in numpy_metrics(np.asarray(probs, np.float64), data.test["label"]).items():
     np.testing.assert_allclose(results["fused_bn"][metric], value, rtol=1e-4, atol=1e-5, err_msg=metric)
   assert "fused_bn" not in s.evaluate(s.state, data)
+
+
+def test_processes_with_parts_of_different_lengths_agree_on_the_batches(monkeypatch):
+  """Each process reads its own part of the eval set: one with fewer batches goes on with all-masked ones
+  until every part has ended; a process with an empty part while others have batches is one DataError
+  on every process (not a hang in a collective). The other process is simulated: its (has a batch,
+  can pad) flags are appended to this one's."""
+  from jax.experimental import multihost_utils
+
+  from ipf_jax import evaluation
+  from ipf_jax.data.errors import DataError
+
+  def with_peer(peer_batches):
+    left = [peer_batches]
+
+    def gather(flags):
+      has = int(left[0] > 0)
+      left[0] -= has
+      return np.stack([np.asarray(flags), np.array([has, has or peer_batches > 0], np.int32)])
+    return gather
+
+  mine = [{"x": np.arange(4.0), "mask": np.ones(4, np.float32)}]
+  monkeypatch.setattr(multihost_utils, "process_allgather", with_peer(3))
+  out = list(evaluation._agreed(iter(mine), across_processes=True))
+  assert len(out) == 3 and out[0] is mine[0]
+  for b in out[1:]:
+    assert not b["mask"].any() and b["x"].shape == (4,)  # padding: same shapes, nothing counted
+  monkeypatch.setattr(multihost_utils, "process_allgather", with_peer(1))
+  assert len(list(evaluation._agreed(iter(mine * 2), across_processes=True))) == 2  # mine are longer
+  monkeypatch.setattr(multihost_utils, "process_allgather", with_peer(2))
+  with pytest.raises(DataError, match=r"processes \[0\] are empty"):
+    list(evaluation._agreed(iter([]), across_processes=True))

@@ -177,6 +177,7 @@ def _magnify_head(factor, particle):
 FP16_TOL = {"rtol": 1e-2, "atol": 2e-3}
 
 
+@pytest.mark.full_optimisation
 @pytest.mark.parametrize("dp,dd,p,loop", [(4, 2, 8, "vmap"), (8, 1, 8, "unroll"), (4, 2, 4, "map")])
 def test_float16_loss_scaling_matches_reference(dp, dd, p, loop):
   """One particle's gradient overflows: every particle skips, one scale halves, until it fits; then
@@ -193,6 +194,7 @@ def test_float16_loss_scaling_matches_reference(dp, dd, p, loop):
   assert any(m["resampled"] for m in spmd[8:])  # the runaway particle is culled and refilled
 
 
+@pytest.mark.full_optimisation
 def test_float16_overflow_at_minimum_scale_culls_the_particle():
   """At the lowest scale a non-finite gradient is a divergence: culled and resampled, as in float32."""
   config = helpers.tiny_config(num_particles=8, dtype="float16", loss_scale_init=256.0, temperature=1.0)
@@ -202,6 +204,7 @@ def test_float16_overflow_at_minimum_scale_culls_the_particle():
   assert spmd[0]["ancestors"][3] != 3 and int(s.host_state().num_overflows) == 0
 
 
+@pytest.mark.full_optimisation
 def test_float16_single_particle_counts_overflows_not_failures():
   """DDP in float16: overflow steps are skipped and counted apart from non-finite (failed) steps."""
   config = helpers.tiny_config(num_particles=1, mode="ddp", dtype="float16", loss_scale_init=2.0 ** 24,

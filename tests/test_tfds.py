@@ -40,6 +40,34 @@ def test_train_batches_are_deterministic_and_resumable(name, small):
     assert not np.array_equal(other["image"], first[0]["image"])
 
 
+def test_resume_skips_records_without_decoding_them(monkeypatch):
+  """A run resumed at step k of an epoch decodes about as many images before its first batch as a run
+  starting at step 0 (not k batches more), and sees the batch an uninterrupted run sees at step k."""
+  import tensorflow as tf
+  decoded = []
+  real = tfds_input.decode_image
+
+  def counting(feature, encoded):
+    n = tf.py_function(lambda: len(decoded.append(1) or decoded), [], tf.int32)
+    n.set_shape(())
+    image = real(feature, encoded)
+    return image + tf.cast(n * 0, image.dtype)  # data-dependent, so the count runs with each decode
+
+  monkeypatch.setattr(tfds_input, "decode_image", counting)
+  with tfds.testing.mock_data(num_examples=640):
+    ds = tfds_input.TFDSDataset("cifar10", None, image_size=16, shuffle_buffer=64, small_images=True)
+    first = {}
+    for start in (0, 60):  # 60 steps of 8 = 480 records skipped
+      decoded.clear()
+      first[start] = next(ds.train_batches(start, 8, seed=1))
+      first[f"decoded {start}"] = len(decoded)
+    assert 8 <= first["decoded 0"] and first["decoded 60"] < first["decoded 0"] + 64 < 480, first
+    stream = ds.train_batches(0, 8, seed=1)
+    uninterrupted = [next(stream) for _ in range(61)][60]
+    np.testing.assert_array_equal(first[60]["label"], uninterrupted["label"])
+    np.testing.assert_allclose(first[60]["image"], uninterrupted["image"], rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["imagenet2012", "cifar100"])
 def test_eval_counts_every_example_once(name):
   with tfds.testing.mock_data(num_examples=23):

@@ -2,8 +2,8 @@
 
 The order of training examples is a function of ``(seed, step)``: epoch ``e``
 shuffles with seed ``(seed, e)``, a resumed run skips the records of the steps
-already done, and augmentation uses stateless ops seeded by the example's
-position in the stream.
+already done without decoding them, and augmentation uses stateless ops seeded
+by the example's position in the stream.
 """
 from __future__ import annotations
 
@@ -80,6 +80,14 @@ def _center_crop(tf, image, size):
   return tf.image.resize_with_crop_or_pad(image, size, size)
 
 
+SKIP_DECODING = True  # False decodes every record before the skip (benchmarks/resume_input.py compares)
+
+
+def decode_image(feature, encoded):
+  """An image record's bytes to pixels (TFDS's own decoder for the feature)."""
+  return feature.decode_example(encoded)
+
+
 @dataclasses.dataclass
 class TFDSDataset:
   """A TFDS classification dataset with the interface the trainer uses."""
@@ -125,15 +133,19 @@ class TFDSDataset:
     options.deterministic = True
     options.threading.private_threadpool_size = 0
     read = tfds.ReadConfig(shuffle_seed=seed * 100_003 + epoch, options=options)
-    ds = self.builder.as_dataset(split=split, shuffle_files=True, read_config=read)
+    # Images stay encoded through the shuffle and the skip: a run resumed at step k of an epoch reads the
+    # k skipped batches' records but decodes none of them (and the shuffle buffer holds encoded bytes).
+    decoders = {"image": tfds.decode.SkipDecoding()} if SKIP_DECODING else None
+    ds = self.builder.as_dataset(split=split, shuffle_files=True, read_config=read, decoders=decoders)
     ds = ds.shuffle(self.shuffle_buffer, seed=seed * 100_003 + epoch, reshuffle_each_iteration=False)
     ds = ds.enumerate().skip(skip)
     name, size, small = self.name, self.image_size, self.small_images
+    image_feature = self.builder.info.features["image"]
 
     def augment(index, example):
       key = tf.stack([tf.cast(seed * 100_003 + epoch, tf.int64), index])
       crop_seed, flip_seed = key, key + tf.constant([0, 1 << 40], tf.int64)
-      image = example["image"]
+      image = decode_image(image_feature, example["image"]) if SKIP_DECODING else example["image"]
       if small:
         image = tf.image.resize(image, (size, size))  # identity at the native 32x32
         image = tf.image.resize_with_crop_or_pad(image, size + 8, size + 8)
