@@ -114,7 +114,8 @@ def main():
     k_half = max(1, none["dp"] * none["per_device"] // 2)
     r1, rh = per_round * rounds_run.get("1", 0.0), per_round * rounds_run.get(str(k_half), 0.0)  # JSON keys
     kib = lambda b: f"{b / 1024:.0f}"
-    print(f"| {none['model']} | {none['per_device']} | {none['dp']} | {p_bytes / 2 ** 20:.1f} | {none['peak_mib']:.1f} | "
+    print(f"| {none['model']} | {none['per_device']} | {none['dp']} | {p_bytes / 2 ** 20:.1f} | "
+          f"{none['peak_mib']:.1f} | "
           f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "
           f"{kib(a2a_bytes)} / {kib(r1)} | {kib(a2a_bytes)} / {kib(rh)} | {none['compile_s']:.0f} / "
           f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} |")

@@ -245,8 +245,8 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
   """Systematic resampling of the whole population, survivors in place (DESIGN.md §3.5).
 
   ``u`` from ``fold_in(key, 0)``; ``a = systematic_resample(u, all_log_w)``; slot ``n`` takes particle
-  ``assign_slots(a)[n]`` (``exchange``: survivors keep their slots, as ``exchange_rounds`` requires); copies get ``jitter`` from ``fold_in(key, 1)`` when
-  ``sigma > 0``; weights reset to ``-log P``.
+  ``assign_slots(a)[n]`` (``exchange``: survivors keep their slots, as ``exchange_rounds`` requires);
+  copies get ``jitter`` from ``fold_in(key, 1)`` when ``sigma > 0``; weights reset to ``-log P``.
 
   Args:
     particle: tuple ``(params, ...)`` of local ``[L, ...]`` trees that move together.

@@ -40,7 +40,7 @@ def pytest_pyfunc_call(pyfuncitem):
   if IN_CHILD or pyfuncitem.get_closest_marker("full_optimisation") is None:
     return None
   flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", pyfuncitem.nodeid],
                      cwd=pyfuncitem.config.rootpath, capture_output=True, text=True, timeout=900,
                      env=dict(os.environ, IPF_JAX_TESTS_CHILD="1", XLA_FLAGS=flags))
   if r.returncode != 0:

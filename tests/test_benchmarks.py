@@ -31,7 +31,7 @@ def test_gpu_resnet50_tiny_on_cpu(tmp_path):
 
 def test_memory_benchmark_tiny():
   s = run_module("benchmarks.memory_resnet50", "--model", "resnet_tiny", "--image_size", "16",
-                 "--per_device_batch", "8")
+                 "--per_device_batch", "8", "--variants", "L=1,L=4")
   peaks = s["peak_mib"]
   assert peaks["L=1"] > 0 and peaks["L=4"] > peaks["L=1"], "4 particles hold more state than 1"
 

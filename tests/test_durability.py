@@ -339,7 +339,7 @@ def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
     saved = sorted(os.listdir(workdir / "checkpoints"))
   assert r.returncode == 1, r.stdout + r.stderr
   (error,) = [line for line in r.stderr.splitlines() if line.strip()]
-  assert error.startswith(f"error: saving checkpoint ") and " free of " in error and "failed: " in error
+  assert error.startswith("error: saving checkpoint ") and " free of " in error and "failed: " in error
   assert "Traceback" not in r.stdout + r.stderr and "Event loop is closed" not in r.stderr
   if limit == "tmpfs":
     assert "no space left on the device" in error and "The newest complete checkpoint is step 10 (kept)" in error

@@ -38,7 +38,8 @@ def test_video_example_on_mock_ucf101(tmp_path):
 def test_package_installs_and_runs_outside_the_checkout(tmp_path):
   """``pip install .`` into a fresh virtualenv (its dependencies from this environment), then ``ipf-train``
   and an example from a directory that is not the checkout."""
-  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=helpers.ROOT, capture_output=True, text=True, check=True)
+  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=helpers.ROOT,
+                         capture_output=True, text=True, check=True)
   src = tmp_path / "src"
   for f in files.stdout.split():
     if os.path.exists(os.path.join(helpers.ROOT, f)):

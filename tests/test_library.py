@@ -165,8 +165,9 @@ def test_your_data_ending_early_or_without_epochs_is_one_clear_error(tmp_path):
   from ipf_jax.data.errors import DataError
   d = helpers.digits_data()
   source = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
-  short = ipf_jax.Data(train=lambda start: iter([source.train_batch(k, 64, 0) for k in range(start, 3)]), num_classes=10,
-                       eval=lambda: source.eval_batches(100), example=source.example, name="three batches")
+  short = ipf_jax.Data(train=lambda start: iter([source.train_batch(k, 64, 0) for k in range(start, 3)]),
+                       num_classes=10, eval=lambda: source.eval_batches(100), example=source.example,
+                       name="three batches")
   with pytest.raises(DataError, match="the training data 'three batches' ended at step 3"):
     ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path / "a"), data=short)
   with pytest.raises(configuration.ConfigError, match="num_epochs: the data 'three batches' does not know its epoch"):
