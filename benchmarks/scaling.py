@@ -6,8 +6,8 @@
 For each model, P = Dp x L particles on Dp devices (L = 1 and 2 per device), the
 train step is compiled three times: without the resampling branch, and with it
 for each exchange (``all_to_all``: one collective of [Dp, L] blocks;
-``rounds``: up to Dp - 1 ``ppermute`` rounds of L particles, each run only when
-a slot needs it). Reported per device, from XLA's ``memory_analysis()`` and the
+``rounds``: up to (Dp - 1) x L ``ppermute`` rounds of one particle, each run
+only when a slot needs it). Reported per device, from XLA's ``memory_analysis()`` and the
 compiled HLO (bytes each device sends, as benchmarks/compression.py counts
 them; a ``collective-permute`` sends its whole buffer): peak memory, the
 step's collective bytes without resampling, the bytes one resampling moves when
@@ -109,7 +109,8 @@ def main():
     p_bytes = none["particle_bytes"]
     base = sum(none["collective_bytes"].values())
     a2a_bytes = sum(a2a["collective_bytes"].values()) - base  # the exchange: every resampling moves all of it
-    per_round = rnd["collective_bytes"].get("collective-permute", 0.0) / max(1, none["dp"] - 1)
+    # (Dp - 1) x L rounds of one particle each in the compiled step
+    per_round = rnd["collective_bytes"].get("collective-permute", 0.0) / max(1, (none["dp"] - 1) * none["per_device"])
     rounds_run = rnd.get("rounds_run", {})
     k_half = max(1, none["dp"] * none["per_device"] // 2)
     r1, rh = per_round * rounds_run.get("1", 0.0), per_round * rounds_run.get(str(k_half), 0.0)  # JSON keys

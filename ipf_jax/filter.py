@@ -121,10 +121,10 @@ def exchange(tree, src, axis_name: str, axis_size: int, method: str = "all_to_al
   ``exchange_all_to_all`` and ``exchange_rounds``; both are exact copies). ``rounds`` needs ``src`` from
   ``assign_slots`` (every source keeps its own slot, ``src[src[n]] == src[n]``); ``all_to_all`` takes
   any ``src``."""
-  if axis_size == 1:
-    return jax.tree.map(lambda x: x[src], tree)
   if not jax.tree.leaves(tree):
     return tree
+  if axis_size == 1 and method != "rounds":  # one device: a gather (rounds: copies in place, within the device)
+    return jax.tree.map(lambda x: x[src], tree)
   fn = {"all_to_all": exchange_all_to_all, "rounds": exchange_rounds}[method]
   return fn(tree, src, axis_name, axis_size)
 
