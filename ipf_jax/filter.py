@@ -110,8 +110,8 @@ EXCHANGES = ("all_to_all", "rounds")
 
 
 def choose_exchange(method: str, axis_size: int) -> str:
-  """``auto``: ``rounds`` (peak memory within a few percent of a step without resampling at every measured
-  ``Dp``, where ``all_to_all`` grows with ``Dp``; step time equal within noise on CPU devices:
+  """``auto``: ``rounds`` (peak memory 1.01-1.15x a step without resampling at every measured ``Dp`` up to
+  64, where ``all_to_all``'s grows with ``Dp``, to 30x; traffic for the replaced particles only:
   BENCHMARKS.md "Scaling"); otherwise ``method``."""
   return "rounds" if method == "auto" else method
 
