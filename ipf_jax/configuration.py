@@ -117,6 +117,8 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
     _check(p == 1, "num_particles",
            f"mode='ddp' trains one model, got num_particles={p}; set num_particles=1 "
            "or use mode='ensemble' or mode='ipf' for a population")
+  _check(0 <= config.calibration_fraction < 0.5, "calibration_fraction",
+         f"must be in [0, 0.5) (a fraction of the train split), got {config.calibration_fraction}")
   _check(config.temperature >= 0, "temperature", f"must be >= 0, got {config.temperature}")
   _check(0 < config.forgetting <= 1, "forgetting", f"must be in (0, 1], got {config.forgetting}")
   _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")

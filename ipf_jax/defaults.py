@@ -33,6 +33,15 @@ def get_config():
   config.eval_batch_size = 256         # per eval step (rounded up to a multiple of the devices; padded, masked)
   config.train_fraction = 1.0          # embedded datasets: train on this fixed random fraction of the train split
   config.label_noise = 0.0             # embedded datasets: this fraction of train labels replaced by another class
+  config.calibration_fraction = 0.0    # hold out this fraction of the train split (in-memory datasets) to fit
+                                       # one temperature per ensemble / fused model on it; the final table shows
+                                       # test NLL, ECE and Brier before and after (0 = off)
+  config.eval_shifts = ""              # shifted test sets for the final evaluation: "" | all | a comma list.
+                                       # digits: gaussian_noise, blur, rotation, translation, contrast (severities
+                                       # 1-5); cifar10: CIFAR-10-C corruptions, cifar10_1; imagenet2012: ImageNet-C
+                                       # corruptions, imagenet_v2, imagenet_a, imagenet_r (prepared TFDS data)
+  config.ood_dataset = ""              # out-of-distribution set for OOD AUROC: "" | photos (digits: 8x8 patches of
+                                       # scikit-learn's sample photos) | a prepared TFDS image dataset (svhn_cropped)
 
   # --- model -----------------------------------------------------------------
   config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax import correction
 from ipf_jax import filter as pf
 from ipf_jax import fusion
+from ipf_jax import metrics
 from ipf_jax import sharing
 from ipf_jax.data import layout
 from ipf_jax.data.errors import DataError
@@ -23,6 +24,7 @@ from ipf_jax.task import Task
 
 ROWS = (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_uniform"), ("fused model", "fused"),
         ("fused model, BN re-estimated", "fused_bn"))
+BRIEF = ("accuracy", "nll", "ece", "brier", "selective_auc", "reliability")  # what a shifted set keeps
 
 
 def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
@@ -58,6 +60,8 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
             "fused": task.score(predict(params, shared, stats, batch), batch, mask)}
     if fused_bn is not None:
       sums["fused_bn"] = task.score(predict(params, shared, fused_bn, batch), batch, mask)
+    if task.diversity is not None:
+      sums["diversity"] = task.diversity(pred, alive, mask, lambda x: lax.psum(x, PARTICLE))
     return {**lax.psum(sums, DATA), "weights": pf.gather_all(w, PARTICLE)}
 
   sharded = jax.jit(jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), layout.EVAL_BATCH_SPEC, P()),
@@ -145,9 +149,80 @@ def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: 
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
   if total is None:
     raise DataError("the evaluation set is empty: eval_batches gave no batch")
-  results = {k: task.finalize(v) for k, v in jax.device_get(total).items()}
+  results = {k: (task.finalize_diversity if k == "diversity" else task.finalize)(v)
+             for k, v in jax.device_get(total).items()}
   results["weights"] = np.asarray(jax.device_get(weights))
   return results
+
+
+def brief(results: dict) -> dict:
+  """Each row's (and each particle's) scalar metrics and reliability bins, without the histograms and
+  temperature curves (a shifted set's results)."""
+  keep = lambda m: {k: v for k, v in m.items() if k in BRIEF or (k not in _CURVES and np.ndim(v) == 0)}
+  return {k: keep(v) if isinstance(v, dict) else v for k, v in results.items()}
+
+
+_CURVES = ("selective_accuracy", "certainty_counts", "nll_by_temperature", "brier_by_temperature",
+           "ece_by_temperature")
+
+
+def temperature_scaled(calibration: dict, test: dict) -> dict:
+  """For each row: the temperature ``T`` of ``metrics.TEMPERATURES`` with the lowest NLL on the
+  calibration set, and the test set's NLL, ECE and Brier of the prediction tempered by it
+  (``p ** (1 / T)`` renormalised; accuracy does not change). Rows without tempered metrics (tasks other
+  than classification) are left out."""
+  out = {}
+  for _, key in ROWS:
+    if "nll_by_temperature" in calibration.get(key, {}):
+      i = int(np.argmin(calibration[key]["nll_by_temperature"]))
+      out[key] = {"temperature": float(metrics.TEMPERATURES[i]),
+                  **{m: float(test[key][f"{m}_by_temperature"][i]) for m in ("nll", "ece", "brier")}}
+  return out
+
+
+def ood_auroc(test: dict, ood: dict) -> dict:
+  """OOD AUROC of each row and particle, by the maximum probability and by the predictive entropy
+  (``metrics.certainty``): test examples as positives, the OOD set's as negatives."""
+  out = {}
+  for key in ("particles",) + tuple(k for _, k in ROWS):
+    if "certainty_counts" in test.get(key, {}):
+      a, b = np.asarray(test[key]["certainty_counts"]), np.asarray(ood[key]["certainty_counts"])
+      out[key] = {"auroc_max_prob": metrics.auroc(a[..., 0, :], b[..., 0, :]),
+                  "auroc_entropy": metrics.auroc(a[..., 1, :], b[..., 1, :])}
+  return out
+
+
+def format_extras(results: dict) -> str:
+  """Lines under the table: diversity, temperature scaling, shifts (mean over severities) and OOD."""
+  lines = []
+  if "diversity" in results:
+    d = results["diversity"]
+    lines.append(f"diversity of the population: disagreement {d['disagreement']:.4f}, "
+                 f"pairwise KL {d['pairwise_kl']:.4f}")
+  for key, t in results.get("temperature_scaled", {}).items():
+    r = results[key]
+    lines.append(f"temperature scaling, {dict((k, n) for n, k in ROWS)[key]}: T = {t['temperature']:.3g}; NLL "
+                 f"{r['nll']:.4f} -> {t['nll']:.4f}, ECE {r['ece']:.4f} -> {t['ece']:.4f}, Brier "
+                 f"{r['brier']:.4f} -> {t['brier']:.4f}")
+  shifts = results.get("shifts", {})
+  if shifts:
+    families = {}
+    for name, r in shifts.items():
+      family = name.rsplit("_", 1)[0] if name.rsplit("_", 1)[-1].isdigit() else name
+      families.setdefault(family, []).append(r)
+    rows = [("shift (mean over severities)", "ensemble acc", "ensemble ECE", "fused acc", "fused ECE")]
+    for family, rs in families.items():
+      mean = lambda key, m: np.mean([r[key][m] for r in rs])
+      rows.append((family, f"{mean('ensemble', 'accuracy'):.2%}", f"{mean('ensemble', 'ece'):.4f}",
+                   f"{mean('fused', 'accuracy'):.2%}", f"{mean('fused', 'ece'):.4f}"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+              for r in rows]
+  for key, a in results.get("ood", {}).items():
+    if key != "particles":
+      lines.append(f"OOD AUROC ({results.get('ood_dataset', 'OOD set')}), {dict((k, n) for n, k in ROWS)[key]}: "
+                   f"max prob {a['auroc_max_prob']:.4f}, entropy {a['auroc_entropy']:.4f}")
+  return "\n".join(lines)
 
 
 def format_table(results: dict, columns: tuple, shared_init: bool = True) -> str:

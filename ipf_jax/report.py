@@ -6,13 +6,16 @@ Writes training_curves.png (per-particle loss; float16: the loss scale), weights
 over time, resampling events marked), genealogy.png (which slot descends from
 which at each resampling) and eval.png (the task's metrics, e.g. accuracy, NLL
 and ECE, of every particle, the ensembles and the fused model at the last
-evaluation).
+evaluation); from the final evaluation's eval_results.json (classification):
+calibration.png (reliability diagrams, accuracy against coverage) and, when
+the run evaluated shifted sets, shifts.png (accuracy and ECE per severity).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import glob
+import json
 import os
 import re
 import struct
@@ -142,11 +145,13 @@ def plot_genealogy(scalars, path, plt):
 
 
 def plot_eval(scalars, path, plt):
-  models = sorted({t.split("/")[1] for t in scalars if t.startswith("eval/")},
+  rows = ("ensemble", "ensemble_uniform", "fused", "fused_bn")
+  models = sorted({t.split("/")[1] for t in scalars if t.startswith("eval/")
+                   and (t.split("/")[1] in rows or re.fullmatch(r"particle_\d+", t.split("/")[1]))},
                   key=lambda m: (not m.startswith("particle"),
                                  int(m.split("_")[1]) if m.startswith("particle_") else 0, m))
-  present = {t.split("/")[2] for t in scalars if t.startswith("eval/")}
-  metrics = [m for m in ("accuracy", "nll", "ece", "rmse") if m in present] or sorted(present)[:3] or ["accuracy"]
+  present = {t.split("/")[2] for t in scalars if t.startswith("eval/") and t.split("/")[1] in models}
+  metrics = [m for m in ("accuracy", "nll", "ece", "brier", "rmse") if m in present] or sorted(present)[:3] or ["accuracy"]
   fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4), squeeze=False)
   for ax, metric in zip(axes[0], metrics):
     vals = [scalars[f"eval/{m}/{metric}"][1][-1] if f"eval/{m}/{metric}" in scalars else np.nan for m in models]
@@ -158,6 +163,72 @@ def plot_eval(scalars, path, plt):
       lo = np.nanmin(vals)
       ax.set_ylim(max(0.0, lo - 0.05), min(1.0, np.nanmax(vals) + 0.01))
   fig.suptitle("Final evaluation: particles (blue), ensembles and fused model (red)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def read_results(workdir: str) -> dict | None:
+  """The run's ``eval_results.json`` (the final evaluation), or ``None``."""
+  path = os.path.join(workdir, "eval_results.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+ROW_NAMES = {"ensemble": "ensemble (weighted)", "fused": "fused model"}
+
+
+def plot_reliability(results, path, plt):
+  """Reliability diagrams (accuracy against confidence per bin, bar width = bin) of the ensemble and the
+  fused model, and their accuracy against coverage (selective prediction)."""
+  rows = [k for k in ROW_NAMES if "reliability" in results.get(k, {})]
+  fig, axes = plt.subplots(1, len(rows) + 1, figsize=(4 * (len(rows) + 1), 4), squeeze=False)
+  for ax, key in zip(axes[0], rows):
+    rel = np.asarray(results[key]["reliability"])  # [bins, 3]: count, mean confidence, accuracy
+    edges = np.linspace(0, 1, len(rel) + 1)
+    filled = rel[:, 0] > 0
+    ax.bar(edges[:-1][filled], rel[filled, 2], width=1 / len(rel), align="edge", color="C0", edgecolor="k",
+           lw=0.5, label="accuracy")
+    ax.bar(edges[:-1][filled], rel[filled, 1] - rel[filled, 2], bottom=rel[filled, 2], width=1 / len(rel),
+           align="edge", color="C3", alpha=0.3, label="gap to confidence")
+    ax.plot([0, 1], [0, 1], "k:", lw=0.8)
+    ax.set(xlabel="confidence", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1),
+           title=f"{ROW_NAMES[key]}: ECE {results[key]['ece']:.4f}")
+    ax.legend(fontsize=7, loc="upper left")
+  ax = axes[0][-1]
+  coverage = np.arange(1, 101) / 100.0
+  for key in rows:
+    ax.plot(coverage, results[key]["selective_accuracy"], label=f"{ROW_NAMES[key]} (area "
+            f"{results[key]['selective_auc']:.4f})")
+  ax.set(xlabel="coverage (most confident fraction kept)", ylabel="accuracy", title="Selective prediction")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_shifts(results, path, plt):
+  """Accuracy and ECE per corruption against its severity (ensemble: solid, fused model: dashed); sets
+  without severities as points at 0."""
+  families = collections.defaultdict(dict)
+  for name, r in results["shifts"].items():
+    family, _, level = name.rpartition("_")
+    if level.isdigit() and family:
+      families[family][int(level)] = r
+    else:
+      families[name][0] = r
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for i, (family, levels) in enumerate(sorted(families.items())):
+    xs = sorted(levels)
+    for ax, metric in zip(axes, ("accuracy", "ece")):
+      for key, style in (("ensemble", "-"), ("fused", "--")):
+        ax.plot(xs, [levels[x][key][metric] for x in xs], style, marker="o", ms=3, color=f"C{i % 10}",
+                label=family if key == "ensemble" else None)
+  for ax, metric in zip(axes, ("accuracy", "ECE")):
+    ax.set(xlabel="severity", ylabel=metric, title=f"{metric} under shift (solid: ensemble, dashed: fused)")
+  axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -176,6 +247,13 @@ def write_report(workdir: str, out: str | None = None) -> list[str]:
     path = os.path.join(out, name)
     fn(scalars, path, plt)
     paths.append(path)
+  results = read_results(workdir)
+  pictures = [("calibration.png", plot_reliability, "ensemble"), ("shifts.png", plot_shifts, "shifts")]
+  for name, fn, needs in pictures if results else ():
+    if needs in results and (needs != "ensemble" or "reliability" in results["ensemble"]):
+      path = os.path.join(out, name)
+      fn(results, path, plt)
+      paths.append(path)
   return paths
 
 

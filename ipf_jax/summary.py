@@ -79,16 +79,24 @@ class SummaryWriter:
     self.scalars(step, values)
 
   def eval_results(self, step: int, results: dict) -> None:
-    """``eval/<row>/<metric>`` for every scalar metric of every row; ``eval/particle_<i>/<metric>``."""
+    """``eval/<row>/<metric>`` for every scalar metric of every row (and of each shifted set,
+    ``eval/shifts/<set>/<row>/<metric>``; OOD AUROC, ``eval/ood/<row>/<metric>``);
+    ``eval/particle_<i>/<metric>``. Curves and histograms stay in ``eval_results.json``."""
     values = {}
-    for row, metrics in results.items():
-      if row == "weights":
-        continue
-      for metric, v in metrics.items():
-        if row == "particles":
-          values.update({f"eval/particle_{i}/{metric}": x for i, x in enumerate(np.atleast_1d(v))})
-        elif np.ndim(v) == 0:
-          values[f"eval/{row}/{metric}"] = v
+
+    def walk(prefix, tree):
+      for key, v in tree.items():
+        if key == "particles":
+          continue
+        if isinstance(v, dict):
+          walk(f"{prefix}/{key}", v)
+        elif isinstance(v, (int, float, np.number, np.ndarray)) and np.ndim(v) == 0:
+          values[f"{prefix}/{key}"] = v
+      for metric, v in tree.get("particles", {}).items():
+        if np.ndim(v) == 1:
+          values.update({f"{prefix}/particle_{i}/{metric}": x for i, x in enumerate(v)})
+
+    walk("eval", {k: v for k, v in results.items() if k != "weights"})
     self.scalars(step, values)
 
   def flush(self) -> None:

@@ -42,6 +42,9 @@ class Task:
     columns: ``(title, metric, format)`` of the final table, e.g. ``("NLL", "nll", "{:.4f}")``.
     inputs: the batch field the model takes, or ``None`` for the whole batch.
     rngs: RNG streams the model draws in train mode, e.g. ``("dropout",)``.
+    diversity: ``(predictive [L, b, ...], alive [L], mask [b], total) -> dict of additive sums`` of the
+      population's diversity (``total`` sums an array over all particles), or ``None``.
+    finalize_diversity: host ``sums -> {metric: value}`` for ``diversity``.
   """
   model: nn.Module
   loss: Callable[[Any, dict], jax.Array]
@@ -51,6 +54,8 @@ class Task:
   columns: tuple = ()
   inputs: Optional[str] = "image"
   rngs: tuple = ()
+  diversity: Optional[Callable] = None
+  finalize_diversity: Optional[Callable[[dict], dict]] = None
 
   def apply(self, variables: dict, batch: dict, train: bool, key: Optional[jax.Array] = None):
     """``outputs`` (eval) or ``(outputs, batch_stats)`` (train; ``{}`` without BatchNorm)."""
@@ -73,7 +78,8 @@ class Task:
 def classification(model: nn.Module, label_smoothing: float = 0.0, inputs: str = "image", label: str = "label",
                    rngs: tuple = ()) -> Task:
   """Softmax cross-entropy on integer labels (``label_smoothing`` optional); the ensembles average class
-  probabilities; scored by accuracy, NLL and ECE (``metrics.classification_sums``)."""
+  probabilities; scored by accuracy, NLL, ECE, Brier, selective prediction and tempered NLL / ECE / Brier
+  (``metrics.classification_sums``); the population's disagreement and pairwise KL (``metrics.diversity_sums``)."""
 
   def loss(logits, batch):
     if label_smoothing:
@@ -84,7 +90,9 @@ def classification(model: nn.Module, label_smoothing: float = 0.0, inputs: str =
   return Task(model=model, loss=loss, predictive=lambda logits, batch: jax.nn.softmax(logits),
               score=lambda probs, batch, mask: metrics_lib.classification_sums(probs, batch[label], mask),
               finalize=metrics_lib.finalize, inputs=inputs, rngs=rngs,
-              columns=(("accuracy", "accuracy", "{:.2%}"), ("NLL", "nll", "{:.4f}"), ("ECE", "ece", "{:.4f}")))
+              diversity=metrics_lib.diversity_sums, finalize_diversity=metrics_lib.finalize_diversity,
+              columns=(("accuracy", "accuracy", "{:.2%}"), ("NLL", "nll", "{:.4f}"), ("ECE", "ece", "{:.4f}"),
+                       ("Brier", "brier", "{:.4f}")))
 
 
 # ---- regression ----------------------------------------------------------------------------------------------

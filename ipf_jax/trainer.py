@@ -18,6 +18,7 @@ from ipf_jax import builder as build_lib
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
 from ipf_jax import evaluation
+from ipf_jax.data import shifts
 from ipf_jax import fusion
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
@@ -137,6 +138,15 @@ class _Run:
     self.config, self.workdir, self.lock = config, workdir, None
     setup_logging(None)
     self.dataset = data if data is not None else create_dataset(config)
+    self.calibration = None
+    if config.calibration_fraction:
+      if not hasattr(self.dataset, "holdout"):
+        raise configuration.ConfigError("calibration_fraction", f"the data {self.dataset.name!r} cannot hold out "
+                                        "part of its train split (in-memory datasets can: digits, ArrayDataset); "
+                                        "set it to 0")
+      self.dataset, self.calibration = self.dataset.holdout(config.calibration_fraction)
+    self.shift_sets = shifts.eval_sets(config, self.dataset)
+    self.ood = shifts.ood_set(config, self.dataset)
     configuration.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
@@ -196,9 +206,11 @@ class _Run:
     return fusion.reestimate_bn(self.parts.fused_bn_fn, state, itertools.islice(self.device_batches(0), n),
                                 one_program_at_a_time, interrupted)
 
-  def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False) -> dict:
-    """Each process reads its own part of the eval set when the dataset can (``eval_process_local``)."""
-    local = getattr(self.dataset, "eval_process_local", False)
+  def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False, source=None) -> dict:
+    """Metrics on the test set (or ``source``'s). Each process reads its own part of the set when the
+    source can (``eval_process_local``)."""
+    source = source or self.dataset
+    local = getattr(source, "eval_process_local", False)
     size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh)
     self.eval_read = 0
 
@@ -207,9 +219,25 @@ class _Run:
         self.eval_read += len(next(iter(batch.values())))
         yield batch
     return evaluation.evaluate(self.task, self.parts.eval_step, state,
-                               counted(self.dataset.eval_batches(per_process if local else size)),
+                               counted(source.eval_batches(per_process if local else size)),
                                self.config.eval_batch_size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
                                process_local=local)
+
+  def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
+    """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
+    the train split, each shifted set (``evaluation.brief``) and OOD AUROC."""
+    more = {}
+    if self.calibration is not None:
+      more["temperature_scaled"] = evaluation.temperature_scaled(
+          self.evaluate(state, fused_bn, interrupted, self.calibration), results)
+      more["calibration_examples"] = self.calibration.test_size
+    if self.shift_sets:
+      more["shifts"] = {name: evaluation.brief(self.evaluate(state, fused_bn, interrupted, source))
+                        for name, source in self.shift_sets.items()}
+    if self.ood is not None:
+      more["ood"] = evaluation.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, self.ood))
+      more["ood_dataset"] = self.ood.name
+    return more
 
   def finish(self, state, writer=None, suffix: str = "",
              interrupted: Callable[[], bool] = lambda: False) -> dict:
@@ -218,12 +246,16 @@ class _Run:
     A file that cannot be written (full disk) is reported and skipped: the table is already printed."""
     fused_bn = self.fused_bn(state, interrupted)
     results = self.evaluate(state, fused_bn, interrupted)
+    read = self.eval_read
+    results.update(self.evaluate_more(state, results, fused_bn, interrupted))
     step = int(state.step)
     size = self.dataset.test_size
-    log.info("final evaluation at step %d on %s %s test examples%s:\n%s", step, size if size else "the",
-             self.dataset.name, f" (process 0 read {self.eval_read}: each process reads its own part)"
-             if jax.process_count() > 1 and self.eval_read != size else "",
-             evaluation.format_table(results, self.task.columns, self.spec.shared_init))
+    extras = evaluation.format_extras(results)
+    log.info("final evaluation at step %d on %s %s test examples%s:\n%s%s", step, size if size else "the",
+             self.dataset.name, f" (process 0 read {read}: each process reads its own part)"
+             if jax.process_count() > 1 and read != size else "",
+             evaluation.format_table(results, self.task.columns, self.spec.shared_init),
+             "\n" + extras if extras else "")
     variables, _ = self.parts.fuse(state)
     if fused_bn is not None:
       variables = {**variables, "batch_stats": fused_bn}

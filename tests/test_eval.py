@@ -1,4 +1,6 @@
 """The eval step (every particle, both ensembles, the fused model) against numpy, on several meshes."""
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from tests import helpers
 
 def numpy_metrics(probs, labels, bins=15):
   conf, pred = probs.max(-1), probs.argmax(-1)
+  brier = np.mean(np.sum((probs - np.eye(probs.shape[-1])[labels]) ** 2, -1))
   correct = (pred == labels).astype(float)
   nll = -np.log(np.maximum(probs[np.arange(len(labels)), labels], 1e-12))
   ece = 0.0
@@ -16,7 +19,7 @@ def numpy_metrics(probs, labels, bins=15):
     sel = which == b
     if sel.any():
       ece += sel.sum() / len(labels) * abs(correct[sel].mean() - conf[sel].mean())
-  return {"accuracy": correct.mean(), "nll": nll.mean(), "ece": ece}
+  return {"accuracy": correct.mean(), "nll": nll.mean(), "ece": ece, "brier": brier}
 
 
 @pytest.mark.parametrize("dp,dd,p,loop", [(8, 1, 8, "vmap"), (4, 2, 8, "vmap"), (1, 8, 2, "vmap"), (2, 4, 4, "map")])
@@ -58,6 +61,12 @@ def test_eval_matches_numpy(dp, dd, p, loop):
     for metric, value in numpy_metrics(probs[i], y).items():
       np.testing.assert_allclose(results["particles"][metric][i], value, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(results["weights"], w, rtol=1e-5, atol=1e-7)
+  # the population's diversity (sums over "particle" and data shards): live particles only, pairwise loops
+  pairs = list(itertools.permutations(alive, 2))
+  disagree = np.mean([np.mean(probs[i].argmax(-1) != probs[j].argmax(-1)) for i, j in pairs])
+  kl = np.mean([np.mean(np.sum(probs[i] * (np.log(probs[i]) - np.log(probs[j])), -1)) for i, j in pairs])
+  np.testing.assert_allclose(results["diversity"]["disagreement"], disagree, rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(results["diversity"]["pairwise_kl"], kl, rtol=2e-3, atol=1e-5)
 
 
 def _conv3x3_same(x, kernel):

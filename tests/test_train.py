@@ -1,11 +1,13 @@
 """train.py end to end on real digits, as a user runs it."""
 import json
+import os
 
 from tests.helpers import run_train_py as run_train
 
 
 def test_train_py_digits_smoke(tmp_path):
-  r = run_train(tmp_path, "--config.num_train_steps=20", "--config.log_every_steps=10")
+  r = run_train(tmp_path, "--config.num_train_steps=20", "--config.log_every_steps=10",
+                "--config.eval_shifts=contrast", "--config.ood_dataset=photos", "--config.calibration_fraction=0.1")
   assert r.returncode == 0, r.stdout + r.stderr
   out = r.stdout
   assert "mesh (particle, data)=(8, 1) on 8 cpu device(s)" in out
@@ -17,6 +19,21 @@ def test_train_py_digits_smoke(tmp_path):
   assert results["ensemble"]["accuracy"] > 0.5, "20 steps on digits should already beat chance by far"
   assert json.load(open(tmp_path / "config.json"))["num_particles"] == 8
   assert "final evaluation" in open(tmp_path / "train.log").read()
+  # the evaluation suite: held-out temperature, each severity of the shift, OOD AUROC, diversity
+  assert results["calibration_examples"] == 135  # 10% of the 1347 training images, trained on the other 1212
+  for row in ("ensemble", "fused"):
+    t = results["temperature_scaled"][row]
+    assert 0.25 <= t["temperature"] <= 8 and t["nll"] > 0
+    assert 0.0 < results["ood"][row]["auroc_max_prob"] <= 1.0 and 0.0 < results["ood"][row]["auroc_entropy"] <= 1.0
+  assert sorted(results["shifts"]) == [f"contrast_{s}" for s in range(1, 6)]
+  assert results["shifts"]["contrast_5"]["ensemble"]["accuracy"] < results["ensemble"]["accuracy"]
+  assert len(results["ood"]["particles"]["auroc_max_prob"]) == 8
+  for line in ("diversity of the population: disagreement", "temperature scaling, fused model: T =",
+               "contrast  ", "OOD AUROC (photos), ensemble (weighted): max prob"):
+    assert line in out, line
+  from ipf_jax import report
+  pictures = [os.path.basename(p) for p in report.write_report(str(tmp_path), str(tmp_path / "report"))]
+  assert pictures[-2:] == ["calibration.png", "shifts.png"]
 
 
 def test_train_py_ddp_override(tmp_path):
@@ -42,7 +59,8 @@ def test_train_py_float16_with_loss_scaling(tmp_path):
   scalars = report.read_scalars(str(tmp_path))
   steps, overflow = scalars["train/overflow"]
   assert len(steps) == 60 and overflow.sum() == overflows and len(scalars["train/loss_scale"][0]) == 60
-  assert len(report.write_report(str(tmp_path), str(tmp_path / "report"))) == 4  # with the loss-scale axis
+  pictures = [os.path.basename(p) for p in report.write_report(str(tmp_path), str(tmp_path / "report"))]
+  assert pictures == ["training_curves.png", "weights.png", "genealogy.png", "eval.png", "calibration.png"]
 
 
 def test_train_py_bad_config_is_one_clear_error(tmp_path):

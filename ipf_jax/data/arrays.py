@@ -72,6 +72,17 @@ class ArrayDataset:
     labels[noisy] = (labels[noisy] + rng.integers(1, self.num_classes, noisy.sum())) % self.num_classes
     return dataclasses.replace(self, train={**train, "label": labels.astype(np.int32)})
 
+  def holdout(self, fraction: float, seed: int = 0) -> tuple["ArrayDataset", "ArrayDataset"]:
+    """``(rest, held_out)``: a fixed random ``fraction`` of the training set taken out of it (fixed by
+    ``seed``), as the test split of a second dataset (e.g. to fit a temperature on)."""
+    rng = np.random.default_rng([seed, 104_729])
+    order = rng.permutation(self.train_size)
+    cut = max(1, round(fraction * self.train_size))
+    held, rest = np.sort(order[:cut]), np.sort(order[cut:])
+    return (dataclasses.replace(self, train={k: v[rest] for k, v in self.train.items()}),
+            dataclasses.replace(self, name=f"{self.name} (held out)", train={k: v[held[:1]] for k, v in self.train.items()},
+                                test={k: v[held] for k, v in self.train.items()}))
+
   def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
     """``train_batch`` for ``start_step, start_step + 1, ...``."""
     step = start_step

@@ -33,24 +33,24 @@ def _tf():
 
 def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
   where = data_dir or "~/tensorflow_datasets"
-  if name == "imagenet2012":
+  if name.split("/")[0] in ("imagenet2012", "imagenet2012_corrupted"):
     return (f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
             f"{where}/downloads/manual/, then run `tfds build imagenet2012 --data_dir={where}` "
             f"(and pass --config.data_dir={where}).")
   return f"Prepare it on a machine with internet access: `tfds build {name} --data_dir={where}`."
 
 
-def load_builder(name: str, data_dir: Optional[str]):
-  """The prepared TFDS builder, or one ``DataError`` that says how to prepare it."""
+def load_builder(name: str, data_dir: Optional[str], split: str = "train", field: str = "dataset"):
+  """The prepared TFDS builder, or one ``DataError`` (naming ``config.<field>``) that says how to prepare it."""
   import tensorflow_datasets as tfds
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except Exception as e:  # noqa: BLE001 - unknown name, unreadable directory
-    raise DataError(f"config.dataset: TFDS cannot open {name!r} in data_dir={data_dir or '(default)'}: {e}") from None
+    raise DataError(f"config.{field}: TFDS cannot open {name!r} in data_dir={data_dir or '(default)'}: {e}") from None
   try:
-    builder.as_dataset(split="train")  # lazy; fails at once if the prepared files are missing
+    builder.as_dataset(split=split)  # lazy; fails at once if the prepared files are missing
   except AssertionError:
-    raise DataError(f"config.dataset: TFDS dataset {name!r} is not prepared in data_dir="
+    raise DataError(f"config.{field}: TFDS dataset {name!r} is not prepared in data_dir="
                     f"{data_dir or builder.data_dir}. {_prepare_hint(name, data_dir)}") from None
   return builder
 
@@ -83,6 +83,13 @@ def _center_crop(tf, image, size):
 SKIP_DECODING = True  # False decodes every record before the skip (benchmarks/resume_input.py compares)
 
 
+def _num_examples(builder, split: str) -> int:
+  try:
+    return builder.info.splits[split].num_examples
+  except KeyError:  # builders without split metadata (e.g. tfds.testing.mock_data)
+    return int(builder.as_dataset(split=split).cardinality())
+
+
 def decode_image(feature, encoded):
   """An image record's bytes to pixels (TFDS's own decoder for the feature)."""
   return feature.decode_example(encoded)
@@ -108,10 +115,7 @@ class TFDSDataset:
     self.image_shape = (self.image_size, self.image_size, 3)
 
   def _num_examples(self, split: str) -> int:
-    try:
-      return self.builder.info.splits[split].num_examples
-    except KeyError:  # builders without split metadata (e.g. tfds.testing.mock_data)
-      return int(self.builder.as_dataset(split=split).cardinality())
+    return _num_examples(self.builder, split)
 
   @property
   def train_size(self) -> int:
@@ -175,18 +179,37 @@ class TFDSDataset:
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """This process's part of the eval split (``tfds.split_for_jax_process``: near-equal parts, every
     example in one) in batches of at most ``batch_size`` (the evaluation pads and masks the last one)."""
-    import tensorflow_datasets as tfds
-    tf = _tf()
-    name, size, small = self.name, self.image_size, self.small_images
+    return _eval_batches(self.builder, EVAL_SPLIT[self.name], self, batch_size)
 
-    def preprocess(example):
-      image = example["image"]
-      image = tf.image.resize(image, (size, size)) if small else _center_crop(tf, image, size)
-      return {"image": _normalize(tf, image, name), "label": tf.cast(example["label"], tf.int32)}
 
-    split = tfds.split_for_jax_process(EVAL_SPLIT[self.name], drop_remainder=False)
-    ds = self.builder.as_dataset(split=split, shuffle_files=False)
-    ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.batch(batch_size).prefetch(2)
-    for batch in ds:
-      yield {k: v.numpy() for k, v in batch.items()}
+def _eval_batches(builder, split: str, like: TFDSDataset, batch_size: int) -> Iterator[dict]:
+  """``split`` of ``builder`` preprocessed as ``like``'s eval split (crop or resize, its normalisation)."""
+  import tensorflow_datasets as tfds
+  tf = _tf()
+  name, size, small = like.name, like.image_size, like.small_images
+
+  def preprocess(example):
+    image = example["image"]
+    if image.shape[-1] == 1:  # grey images (an OOD set) as RGB
+      image = tf.image.grayscale_to_rgb(image)
+    image = tf.image.resize(image, (size, size)) if small else _center_crop(tf, image, size)
+    return {"image": _normalize(tf, image, name), "label": tf.cast(example.get("label", 0), tf.int32)}
+
+  ds = builder.as_dataset(split=tfds.split_for_jax_process(split, drop_remainder=False), shuffle_files=False)
+  ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
+  for batch in ds.batch(batch_size).prefetch(2):
+    yield {k: v.numpy() for k, v in batch.items()}
+
+
+class TFDSEvalSet:
+  """A shifted or OOD eval set (``data.shifts``): ``split`` of the TFDS dataset ``builder_name``, read
+  and preprocessed as ``like``'s eval split."""
+  eval_process_local = True
+
+  def __init__(self, builder_name: str, split: str, like: TFDSDataset):
+    self.name, self.split, self.like = builder_name, split, like
+    self.builder = load_builder(builder_name, like.data_dir, split, field="eval_shifts / ood_dataset")
+    self.test_size = _num_examples(self.builder, split)
+
+  def eval_batches(self, batch_size: int) -> Iterator[dict]:
+    return _eval_batches(self.builder, self.split, self.like, batch_size)

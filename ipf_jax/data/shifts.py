@@ -1,0 +1,158 @@
+"""Shifted and out-of-distribution evaluation sets (``config.eval_shifts``, ``config.ood_dataset``).
+
+Digits: five corruptions of the test images, each at severities 1-5, computed
+here (deterministic: a fixed seed per corruption and severity), and, as
+out-of-distribution images, 8x8 grey patches of the two photographs that ship
+with scikit-learn (``load_sample_images``: a Chinese temple and a flower).
+TFDS: the corrupted and re-collected test sets of CIFAR-10 and ImageNet and
+any TFDS image dataset as OOD, read like the dataset's own eval split.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ipf_jax.data.arrays import ArrayDataset
+from ipf_jax.data.errors import DataError
+
+SEVERITIES = (1, 2, 3, 4, 5)
+SEED = 20_261_130
+
+# Digits corruptions: the parameter of each severity (pixels in [0, 1], 8 x 8 images).
+DIGITS_CORRUPTIONS = {
+    "gaussian_noise": (0.08, 0.12, 0.18, 0.26, 0.38),  # noise standard deviation
+    "blur": (0.3, 0.4, 0.5, 0.6, 0.75),  # Gaussian blur sigma, pixels
+    "rotation": (5.0, 10.0, 15.0, 20.0, 30.0),  # degrees, the sign drawn per image
+    "translation": (0.25, 0.5, 0.75, 1.0, 1.5),  # pixels, the direction drawn per image
+    "contrast": (0.9, 0.8, 0.7, 0.6, 0.5),  # factor on the deviation from each image's mean
+}
+DIGITS_OOD = ("photos",)
+
+# TFDS: the corruptions of CIFAR-10-C and ImageNet-C (TFDS configs ``<corruption>_<severity>``) and the
+# other shifted test sets, by the dataset they shift.
+CORRUPTIONS_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
+                 "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
+                 "jpeg_compression")
+TFDS_SHIFTS = {
+    "cifar10": {"corrupted": ("cifar10_corrupted", "test"), "sets": {"cifar10_1": ("cifar10_1", "test")}},
+    "imagenet2012": {"corrupted": ("imagenet2012_corrupted", "validation"),
+                     "sets": {"imagenet_v2": ("imagenet_v2", "test"), "imagenet_a": ("imagenet_a", "test"),
+                              "imagenet_r": ("imagenet_r", "test")}},
+}
+
+
+def corrupt_digits(images: np.ndarray, corruption: str, severity: int) -> np.ndarray:
+  """``images`` ``[N, 8, 8, 1]`` in ``[0, 1]`` under ``corruption`` at ``severity`` (1-5), clipped to
+  ``[0, 1]``; the same output on every call."""
+  from scipy import ndimage
+  level = DIGITS_CORRUPTIONS[corruption][severity - 1]
+  rng = np.random.default_rng([SEED, sorted(DIGITS_CORRUPTIONS).index(corruption), severity])
+  x = images.astype(np.float64)
+  if corruption == "gaussian_noise":
+    x = x + rng.normal(0.0, level, x.shape)
+  elif corruption == "blur":
+    x = ndimage.gaussian_filter(x, sigma=(0, level, level, 0), mode="constant")
+  elif corruption == "rotation":
+    signs = rng.choice([-1.0, 1.0], len(x))
+    x = np.stack([ndimage.rotate(im, s * level, axes=(0, 1), reshape=False, order=1, mode="constant")
+                  for im, s in zip(x, signs)])
+  elif corruption == "translation":
+    angles = rng.uniform(0, 2 * np.pi, len(x))
+    x = np.stack([ndimage.shift(im, (level * np.sin(a), level * np.cos(a), 0), order=1, mode="constant")
+                  for im, a in zip(x, angles)])
+  elif corruption == "contrast":
+    mean = x.mean(axis=(1, 2, 3), keepdims=True)
+    x = (x - mean) * level + mean
+  else:
+    raise KeyError(corruption)
+  return np.clip(x, 0.0, 1.0).astype(np.float32)
+
+
+def photo_patches(num: int, size: int = 8) -> np.ndarray:
+  """``num`` grey ``size x size`` patches of scikit-learn's two sample photographs: random 32 x 32
+  crops (fixed seed), block-averaged 4 x 4, stretched to ``[0, 1]`` like the digits' ink."""
+  from sklearn.datasets import load_sample_images
+  photos = [im.astype(np.float64).mean(-1) for im in load_sample_images().images]
+  rng = np.random.default_rng([SEED, 99])
+  crop = size * 4
+  out = []
+  for i in range(num):
+    photo = photos[i % len(photos)]
+    r, c = rng.integers(0, photo.shape[0] - crop), rng.integers(0, photo.shape[1] - crop)
+    patch = photo[r:r + crop, c:c + crop].reshape(size, 4, size, 4).mean((1, 3))
+    lo, hi = patch.min(), patch.max()
+    out.append((patch - lo) / max(hi - lo, 1e-6))
+  return np.stack(out)[..., None].astype(np.float32)
+
+
+def names(config, dataset_name: str) -> tuple:
+  """The shifts ``config.eval_shifts`` names for ``dataset_name`` (``all``: every one it has)."""
+  known = known_shifts(dataset_name)
+  asked = [s.strip() for s in config.eval_shifts.split(",") if s.strip()]
+  if asked == ["all"]:
+    return known
+  unknown = [s for s in asked if s not in known]
+  if unknown:
+    from ipf_jax.configuration import ConfigError
+    raise ConfigError("eval_shifts", f"{', '.join(unknown)} not known for dataset {dataset_name!r}; use 'all' "
+                                     f"or some of: {', '.join(known) or '(none)'}")
+  return tuple(asked)
+
+
+def known_shifts(dataset_name: str) -> tuple:
+  if dataset_name == "digits":
+    return tuple(DIGITS_CORRUPTIONS)
+  if dataset_name in TFDS_SHIFTS:
+    return CORRUPTIONS_C + tuple(TFDS_SHIFTS[dataset_name]["sets"])
+  return ()
+
+
+def eval_sets(config, dataset) -> dict:
+  """``{name: eval source}`` for every shift ``config.eval_shifts`` names (a corruption gives one set
+  per severity, ``<corruption>_<severity>``), each with ``eval_batches(n)``, ``test_size`` and
+  ``eval_process_local``."""
+  shifts = names(config, config.dataset)
+  if not shifts:
+    return {}
+  if config.dataset == "digits":
+    test = dataset.test
+    return {f"{c}_{s}": _arrays(f"digits/{c}_{s}", {**test, "image": corrupt_digits(test["image"], c, s)})
+            for c in shifts for s in SEVERITIES}
+  table = TFDS_SHIFTS[config.dataset]
+  out = {}
+  for shift in shifts:
+    if shift in table["sets"]:
+      builder, split = table["sets"][shift]
+      out[shift] = _tfds(config, dataset, builder, split)
+    else:
+      builder, split = table["corrupted"]
+      out.update({f"{shift}_{s}": _tfds(config, dataset, f"{builder}/{shift}_{s}", split) for s in SEVERITIES})
+  return out
+
+
+def ood_set(config, dataset):
+  """The eval source ``config.ood_dataset`` names, or ``None``: ``photos`` for digits; for TFDS datasets
+  the name of any prepared TFDS image dataset (``svhn_cropped`` for CIFAR), its ``test`` split."""
+  name = config.ood_dataset
+  if not name:
+    return None
+  if config.dataset == "digits":
+    if name != "photos":
+      from ipf_jax.configuration import ConfigError
+      raise ConfigError("ood_dataset", f"{name!r} is not available for digits; use 'photos' (8x8 patches of "
+                                       "scikit-learn's sample photographs)")
+    images = photo_patches(dataset.test_size)
+    return _arrays("photos", {"image": images, "label": np.zeros(len(images), np.int32)})
+  return _tfds(config, dataset, name, "test")
+
+
+def _arrays(name: str, test: dict) -> ArrayDataset:
+  return ArrayDataset(name=name, train={k: v[:1] for k, v in test.items()}, test=test)
+
+
+def _tfds(config, dataset, builder_name: str, split: str):
+  from ipf_jax.data import tfds_input
+  if not isinstance(dataset, tfds_input.TFDSDataset):
+    raise DataError(f"config.eval_shifts / ood_dataset: {builder_name} is a TFDS dataset; it needs a TFDS "
+                    f"dataset to train on (got {type(dataset).__name__})")
+  return tfds_input.TFDSEvalSet(builder_name, split, dataset)
+

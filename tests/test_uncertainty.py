@@ -1,0 +1,172 @@
+"""The evaluation suite against numpy / scikit-learn: Brier, reliability bins, temperature scaling,
+selective prediction, OOD AUROC, diversity; the digits shifts and OOD set; TFDS shift sets on mock data."""
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ipf_jax import evaluation
+from ipf_jax import metrics
+from ipf_jax.configuration import ConfigError
+from ipf_jax.data import shifts
+from ipf_jax.data.errors import DataError
+from tests import helpers
+
+
+def random_probs(rng, n, c, sharp=3.0):
+  logits = rng.normal(size=(n, c)) * sharp
+  return np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+
+
+def test_classification_sums_match_numpy():
+  rng = np.random.default_rng(0)
+  probs, labels = random_probs(rng, 300, 5), rng.integers(0, 5, 300)
+  mask = (rng.random(300) < 0.9).astype(np.float32)
+  out = metrics.finalize(metrics.classification_sums(jnp.asarray(probs, jnp.float32), jnp.asarray(labels),
+                                                     jnp.asarray(mask)))
+  keep = mask > 0
+  p, y = probs[keep], labels[keep]
+  onehot = np.eye(5)[y]
+  np.testing.assert_allclose(out["brier"], np.mean(np.sum((p - onehot) ** 2, -1)), rtol=1e-5)
+  np.testing.assert_allclose(out["accuracy"], np.mean(p.argmax(-1) == y), rtol=1e-6)
+  conf = p.max(-1)
+  which = np.minimum((conf * 15).astype(int), 14)
+  for b in range(15):
+    sel = which == b
+    assert out["reliability"][b, 0] == sel.sum()
+    if sel.any():
+      np.testing.assert_allclose(out["reliability"][b, 1:], [conf[sel].mean(), (p[sel].argmax(-1) == y[sel]).mean()],
+                                 rtol=1e-5)
+  # tempered: T = 1 is the prediction itself; T = 2 is softmax(log p / 2)
+  one = int(np.argmin(np.abs(metrics.TEMPERATURES - 1.0)))
+  assert metrics.TEMPERATURES[one] == 1.0
+  np.testing.assert_allclose(out["nll_by_temperature"][one], out["nll"], rtol=1e-5)
+  np.testing.assert_allclose(out["ece_by_temperature"][one], out["ece"], rtol=1e-4, atol=1e-6)
+  two = int(np.argmin(np.abs(metrics.TEMPERATURES - 2.0)))
+  soft = np.exp(np.log(p) / 2)
+  soft /= soft.sum(-1, keepdims=True)
+  np.testing.assert_allclose(out["nll_by_temperature"][two], -np.mean(np.log(soft[np.arange(len(y)), y])), rtol=1e-4)
+  np.testing.assert_allclose(out["brier_by_temperature"][two], np.mean(np.sum((soft - onehot) ** 2, -1)), rtol=1e-4)
+
+
+def probs_with_certainty(u, num_classes=3):
+  """Probabilities whose maximum has certainty score ``u`` (``metrics.certainty``'s first score)."""
+  conf = 1.0 - 10.0 ** (-metrics.CERTAINTY_DECADES * u)
+  rest = (1.0 - conf) / (num_classes - 1)
+  p = np.tile(rest[:, None], (1, num_classes))
+  p[:, 0] = conf
+  return p
+
+
+def test_selective_accuracy_matches_sorting():
+  """Every example in a bin of its own: accuracy of the k most certain examples, exactly."""
+  n = 100
+  rng = np.random.default_rng(1)
+  u = 0.05 + 0.9 * (np.arange(n) + 0.5) / n  # distinct bins of 200, max prob >= 1/3
+  u = rng.permutation(u)
+  probs = probs_with_certainty(u)
+  labels = np.where(rng.random(n) < 0.7, 0, 1)  # class 0 is predicted: correct 70% of the time
+  out = metrics.finalize(metrics.classification_sums(jnp.asarray(probs, jnp.float32), jnp.asarray(labels),
+                                                     jnp.ones(n)))
+  correct = (labels == 0)[np.argsort(-u)]
+  expected = np.cumsum(correct) / np.arange(1, n + 1)  # coverage k / 100
+  np.testing.assert_allclose(out["selective_accuracy"], expected, rtol=1e-5)
+  np.testing.assert_allclose(out["selective_auc"], expected.mean(), rtol=1e-5)
+
+
+def test_auroc_matches_sklearn_and_counts_ties_half():
+  from sklearn.metrics import roc_auc_score
+  rng = np.random.default_rng(2)
+  k = metrics.NUM_CERTAINTY_BINS
+  in_bins, out_bins = rng.integers(0, 4, k).astype(float), rng.integers(0, 4, k).astype(float)
+  scores = np.concatenate([np.repeat(np.arange(k), in_bins.astype(int)), np.repeat(np.arange(k), out_bins.astype(int))])
+  is_in = np.concatenate([np.ones(int(in_bins.sum())), np.zeros(int(out_bins.sum()))])
+  np.testing.assert_allclose(metrics.auroc(in_bins, out_bins), roc_auc_score(is_in, scores), rtol=1e-10)
+  # through the sums: in-distribution examples more certain than every OOD one -> 1; swapped -> 0
+  sums = lambda u: metrics.finalize(metrics.classification_sums(jnp.asarray(probs_with_certainty(u), jnp.float32),
+                                                                jnp.zeros(len(u), jnp.int32), jnp.ones(len(u))))
+  hi, lo = sums(np.linspace(0.6, 0.9, 20)), sums(np.linspace(0.1, 0.4, 30))
+  for score in (0, 1):  # max probability, entropy
+    assert metrics.auroc(hi["certainty_counts"][score], lo["certainty_counts"][score]) == 1.0
+    assert metrics.auroc(lo["certainty_counts"][score], hi["certainty_counts"][score]) == 0.0
+
+
+def test_diversity_matches_pairwise_loops():
+  rng = np.random.default_rng(3)
+  p, n, c = 5, 40, 4
+  probs = np.stack([random_probs(rng, n, c, sharp=1.5) for _ in range(p)])
+  alive = np.array([1, 1, 0, 1, 1], np.float32)
+  probs_nan = probs.copy()
+  probs_nan[2] = np.nan  # a culled particle reaches no metric
+  out = metrics.finalize_diversity(metrics.diversity_sums(jnp.asarray(probs_nan, jnp.float32), jnp.asarray(alive),
+                                                          jnp.ones(n), lambda x: x))
+  live = [i for i in range(p) if alive[i]]
+  pairs = [(i, j) for i, j in itertools.permutations(live, 2)]
+  disagree = np.mean([np.mean(probs[i].argmax(-1) != probs[j].argmax(-1)) for i, j in pairs])
+  kl = np.mean([np.mean(np.sum(probs[i] * (np.log(probs[i]) - np.log(probs[j])), -1)) for i, j in pairs])
+  np.testing.assert_allclose(out["disagreement"], disagree, rtol=1e-5)
+  np.testing.assert_allclose(out["pairwise_kl"], kl, rtol=1e-4)
+  one = metrics.finalize_diversity(metrics.diversity_sums(jnp.asarray(probs[:1], jnp.float32), jnp.ones(1),
+                                                          jnp.ones(n), lambda x: x))
+  assert one == {"disagreement": 0.0, "pairwise_kl": 0.0}
+
+
+def test_temperature_scaled_picks_the_calibration_minimum():
+  t = metrics.TEMPERATURES
+  curve = lambda best: (np.log(t) - np.log(best)) ** 2 + 0.3
+  calibration = {"ensemble": {"nll_by_temperature": curve(2.0)}, "fused": {"nll_by_temperature": curve(0.5)}}
+  test = {k: {"nll": 1.0, "ece": 0.1, "brier": 0.2, **{f"{m}_by_temperature": np.arange(len(t)) * 1.0 + i
+                                                      for i, m in enumerate(("nll", "ece", "brier"))}}
+          for k in ("ensemble", "fused")}
+  out = evaluation.temperature_scaled(calibration, test)
+  i2, i05 = int(np.argmin(np.abs(t - 2.0))), int(np.argmin(np.abs(t - 0.5)))
+  assert out["ensemble"] == {"temperature": 2.0, "nll": i2, "ece": i2 + 1, "brier": i2 + 2}
+  assert out["fused"]["temperature"] == 0.5 and out["fused"]["nll"] == i05
+
+
+def test_digits_corruptions_are_deterministic_and_grow_with_severity():
+  x = helpers.digits_data().test["image"][:64]
+  for c in shifts.DIGITS_CORRUPTIONS:
+    distance = []
+    for s in shifts.SEVERITIES:
+      a, b = shifts.corrupt_digits(x, c, s), shifts.corrupt_digits(x, c, s)
+      np.testing.assert_array_equal(a, b)
+      assert a.shape == x.shape and a.dtype == np.float32 and a.min() >= 0 and a.max() <= 1
+      distance.append(np.abs(a - x).mean())
+    assert distance[0] > 0 and all(d2 > d1 for d1, d2 in zip(distance, distance[1:])), (c, distance)
+  photos = shifts.photo_patches(100)
+  np.testing.assert_array_equal(photos, shifts.photo_patches(100))
+  assert photos.shape == (100, 8, 8, 1) and photos.min() == 0 and photos.max() == 1
+  assert len({p.tobytes() for p in photos}) == 100
+
+
+def test_shift_and_ood_config_errors_name_the_field():
+  config = helpers.tiny_config(eval_shifts="gaussian_noise,fog")
+  with pytest.raises(ConfigError, match="config.eval_shifts: fog not known for dataset 'digits'"):
+    shifts.eval_sets(config, helpers.digits_data())
+  config = helpers.tiny_config(ood_dataset="svhn_cropped")
+  with pytest.raises(ConfigError, match="config.ood_dataset: 'svhn_cropped' is not available for digits"):
+    shifts.ood_set(config, helpers.digits_data())
+  config = helpers.tiny_config(eval_shifts="all")
+  assert sorted(shifts.eval_sets(config, helpers.digits_data())) == sorted(
+      f"{c}_{s}" for c in shifts.DIGITS_CORRUPTIONS for s in shifts.SEVERITIES)
+
+
+def test_tfds_shift_and_ood_sets_on_mock_data(tmp_path):
+  import tensorflow_datasets as tfds
+  from ipf_jax.data import tfds_input
+  config = helpers.tiny_config(dataset="cifar10", eval_shifts="contrast,cifar10_1", ood_dataset="svhn_cropped")
+  with tfds.testing.mock_data(num_examples=12):
+    data = tfds_input.TFDSDataset("cifar10", None, 32, small_images=True)
+    sets = shifts.eval_sets(config, data)
+    assert sorted(sets) == ["cifar10_1"] + [f"contrast_{s}" for s in shifts.SEVERITIES]
+    assert sets["contrast_3"].name == "cifar10_corrupted/contrast_3" and sets["contrast_3"].split == "test"
+    ood = shifts.ood_set(config, data)
+    for source in (sets["contrast_5"], sets["cifar10_1"], ood):
+      batches = list(source.eval_batches(5))
+      assert [len(b["image"]) for b in batches] == [5, 5, 2] and source.test_size == 12
+      assert batches[0]["image"].shape == (5, 32, 32, 3) and batches[0]["image"].dtype == np.float32
+  # without prepared data: one error naming the field and how to prepare it
+  with pytest.raises(DataError, match=r"config.eval_shifts / ood_dataset: .*cifar10_1.*tfds build cifar10_1"):
+    tfds_input.TFDSEvalSet("cifar10_1", "test", data)
