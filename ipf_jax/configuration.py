@@ -17,7 +17,8 @@ from ipf_jax import filter as pf
 from ipf_jax import mesh as mesh_lib
 
 MODES = ("ddp", "ensemble", "ipf")
-LR_SCALING = ("none", "linear", "sqrt")
+LR_SCALING = ("none", "linear", "sqrt", "seed")
+WEIGH_ON = ("own", "common")
 DTYPES = ("float32", "bfloat16", "float16")
 INITS = ("auto", "shared", "independent")
 PARTICLE_LOOPS = ("auto", "vmap", "map", "unroll")
@@ -59,6 +60,10 @@ class ParticleSpec:
   elastic: float = 0.0  # alpha: pull towards the fused parameters after each update
   particle_loop: str = "vmap"  # how a device runs its local particles: vmap | map | unroll
   exchange: str = "auto"  # how resampled particles move: all_to_all | rounds | auto (filter.choose_exchange)
+  weigh_on: str = "own"  # own | common: the loss the weights use (common: on examples every particle scores)
+  common_examples: int = 2  # weigh_on=common: examples from each particle's part of the batch (per data shard)
+  ess_target: float = 0.0  # > 0: tau_t by bisection so that the ESS after reweighting stays >= ess_target * P
+  jitter_lr: float = 0.0  # resampled copies' noise: sigma = jitter + jitter_lr * learning rate
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -72,7 +77,9 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
                         compress=bool(config.compress_correction) and config.correction > 0,
                         elastic=float(config.elastic_pull),
                         particle_loop=resolve_particle_loop(config.particle_loop),
-                        exchange=config.resample_exchange)
+                        exchange=config.resample_exchange, ess_target=float(config.ess_target),
+                        weigh_on=config.weigh_on, common_examples=int(config.common_examples),
+                        jitter_lr=float(config.jitter_lr))
   return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False,
                       particle_loop=resolve_particle_loop(config.particle_loop))
 
@@ -120,7 +127,13 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(0 <= config.calibration_fraction < 0.5, "calibration_fraction",
          f"must be in [0, 0.5) (a fraction of the train split), got {config.calibration_fraction}")
   _check(config.temperature >= 0, "temperature", f"must be >= 0, got {config.temperature}")
-  _check(0 < config.forgetting <= 1, "forgetting", f"must be in (0, 1], got {config.forgetting}")
+  _check(0 <= config.forgetting <= 1, "forgetting", f"must be in [0, 1], got {config.forgetting}")
+  _check(0 <= config.ess_target < 1, "ess_target", f"must be in [0, 1) (a fraction of P; 0 = off), got "
+                                                   f"{config.ess_target}")
+  _check(config.jitter_lr >= 0, "jitter_lr", f"must be >= 0, got {config.jitter_lr}")
+  _check_choice(config, "weigh_on", WEIGH_ON)
+  _check(isinstance(config.common_examples, int) and config.common_examples >= 1, "common_examples",
+         f"must be an integer >= 1, got {config.common_examples!r}")
   _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")
   _check(0 <= config.elastic_pull <= 1, "elastic_pull", f"must be in [0, 1], got {config.elastic_pull}")
   _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")
@@ -197,6 +210,11 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
          + (f", or run on num_devices in {fits}" if fits else ""))
   _check(config.eval_batch_size > 0, "eval_batch_size",
          f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)")
+  if config.weigh_on == "common" and config.mode == "ipf":
+    shard = g // (p * dd)
+    _check(config.common_examples <= shard, "common_examples",
+           f"{config.common_examples} is more than the {shard} examples of a particle's part of a data shard "
+           f"(global_batch_size / (num_particles x data devices)); use at most {shard}")
   return dp, dd
 
 

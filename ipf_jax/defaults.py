@@ -56,7 +56,8 @@ def get_config():
 
   # --- optimiser -------------------------------------------------------------
   config.base_lr = 0.1                 # learning rate at reference_batch_size
-  config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size
+  config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size; seed: the seed's rule
+                                       # base_lr * sqrt(devices * num_particles), whatever the batch
   config.reference_batch_size = 256    # batch size at which base_lr applies
   config.warmup_steps = 20             # linear warmup, then cosine decay to 0
   config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
@@ -76,7 +77,14 @@ def get_config():
                                        # or one per particle (deep ensemble); auto = independent in ensemble mode
   config.temperature = 10.0            # tau >= 0: log w <- rho log w - tau loss (10: best fused model and NLL
                                        # in the digits study, BENCHMARKS.md)
-  config.forgetting = 0.9              # rho in (0, 1]: memory of past losses in the weights
+  config.forgetting = 0.9              # rho in [0, 1]: memory of past losses in the weights (0: this step's loss
+                                       # only, the seed's rule w = softmax(-tau loss))
+  config.weigh_on = "own"              # own: a particle's weight from its loss on its own examples | common: from
+                                       # its loss on common_examples of every particle's examples, the same for
+                                       # all (a forward pass on P x common_examples more examples per particle)
+  config.common_examples = 2           # weigh_on=common: examples taken from each particle's part of the batch
+  config.ess_target = 0.0              # > 0: each step, tau_t = the largest tau <= temperature whose reweighting
+                                       # keeps ESS >= ess_target * P (bisection, as adaptive tempered SMC; 0 = off)
   config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
   config.elastic_pull = 0.0            # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
                                        # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
@@ -84,6 +92,8 @@ def get_config():
   config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
   config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
   config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
+  config.jitter_lr = 0.0               # plus this times the step's learning rate (resample-move noise that
+                                       # shrinks with the schedule; 0 = off)
   config.resample_exchange = "auto"    # how resampled particles move between devices: all_to_all (one
                                        # collective of P particles) | rounds (one-particle ppermute rounds,
                                        # only those needed) | auto (= rounds, measured: BENCHMARKS.md "Scaling")

@@ -158,8 +158,8 @@ def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: 
 def brief(results: dict) -> dict:
   """Each row's (and each particle's) scalar metrics and reliability bins, without the histograms and
   temperature curves (a shifted set's results)."""
-  keep = lambda m: {k: v for k, v in m.items() if k in BRIEF or (k not in _CURVES and np.ndim(v) == 0)}
-  return {k: keep(v) if isinstance(v, dict) else v for k, v in results.items()}
+  keep = lambda m, scalar: {k: v for k, v in m.items() if k in BRIEF or (k not in _CURVES and np.ndim(v) == scalar)}
+  return {k: keep(v, 1 if k == "particles" else 0) if isinstance(v, dict) else v for k, v in results.items()}
 
 
 _CURVES = ("selective_accuracy", "certainty_counts", "nll_by_temperature", "brier_by_temperature",
@@ -173,9 +173,10 @@ def temperature_scaled(calibration: dict, test: dict) -> dict:
   than classification) are left out."""
   out = {}
   for _, key in ROWS:
-    if "nll_by_temperature" in calibration.get(key, {}):
-      i = int(np.argmin(calibration[key]["nll_by_temperature"]))
-      out[key] = {"temperature": float(metrics.TEMPERATURES[i]),
+    curve = np.asarray(calibration.get(key, {}).get("nll_by_temperature", np.nan))
+    if np.isfinite(curve).any():
+      i = int(np.nanargmin(curve))
+      out[key] = {"temperature": float(metrics.TEMPERATURES[i]), "at_grid_edge": i in (0, len(curve) - 1),
                   **{m: float(test[key][f"{m}_by_temperature"][i]) for m in ("nll", "ece", "brier")}}
   return out
 
@@ -192,29 +193,34 @@ def ood_auroc(test: dict, ood: dict) -> dict:
   return out
 
 
-def format_extras(results: dict) -> str:
-  """Lines under the table: diversity, temperature scaling, shifts (mean over severities) and OOD."""
+def format_extras(results: dict, columns: tuple) -> str:
+  """Lines under the table: diversity, temperature scaling, shifts (mean over severities; accuracy and ECE,
+  or the first two of the task's ``columns``) and OOD."""
   lines = []
-  if "diversity" in results:
+  if "diversity" in results and len(results["weights"]) > 1:
     d = results["diversity"]
     lines.append(f"diversity of the population: disagreement {d['disagreement']:.4f}, "
                  f"pairwise KL {d['pairwise_kl']:.4f}")
   for key, t in results.get("temperature_scaled", {}).items():
     r = results[key]
-    lines.append(f"temperature scaling, {dict((k, n) for n, k in ROWS)[key]}: T = {t['temperature']:.3g}; NLL "
+    edge = " (the grid's edge: the best T may lie beyond)" if t["at_grid_edge"] else ""
+    lines.append(f"temperature scaling, {dict((k, n) for n, k in ROWS)[key]}: T = {t['temperature']:.3g}{edge}; NLL "
                  f"{r['nll']:.4f} -> {t['nll']:.4f}, ECE {r['ece']:.4f} -> {t['ece']:.4f}, Brier "
                  f"{r['brier']:.4f} -> {t['brier']:.4f}")
   shifts = results.get("shifts", {})
   if shifts:
+    from ipf_jax.data.shifts import family
     families = {}
     for name, r in shifts.items():
-      family = name.rsplit("_", 1)[0] if name.rsplit("_", 1)[-1].isdigit() else name
-      families.setdefault(family, []).append(r)
-    rows = [("shift (mean over severities)", "ensemble acc", "ensemble ECE", "fused acc", "fused ECE")]
-    for family, rs in families.items():
-      mean = lambda key, m: np.mean([r[key][m] for r in rs])
-      rows.append((family, f"{mean('ensemble', 'accuracy'):.2%}", f"{mean('ensemble', 'ece'):.4f}",
-                   f"{mean('fused', 'accuracy'):.2%}", f"{mean('fused', 'ece'):.4f}"))
+      families.setdefault(family(name)[0], []).append(r)
+    present = next(iter(shifts.values())).get("ensemble", {})
+    shown = [c for c in columns if c[1] in ("accuracy", "ece") and c[1] in present] or [
+        c for c in columns if c[1] in present][:2]
+    rows_shown = [key for key in ("ensemble", "fused") if key in next(iter(shifts.values()))]
+    rows = [("shift (mean over severities)",) + tuple(f"{key} {title}" for key in rows_shown for title, _, _ in shown)]
+    for name, rs in families.items():
+      rows.append((name,) + tuple(fmt.format(np.mean([r[key][metric] for r in rs]))
+                                  for key in rows_shown for _, metric, fmt in shown))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
               for r in rows]

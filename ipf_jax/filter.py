@@ -49,6 +49,30 @@ def ess(log_w):
   return jnp.exp(-logsumexp(2.0 * log_w))
 
 
+def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetting: float, target_ess: float,
+                         iterations: int = 30):
+  """The largest ``tau`` in ``[0, max_temperature]`` with ``ess(normalize(rho prev - tau loss)) >= target_ess``
+  (bisection over ``iterations`` halvings, replicated: all arguments are the ``[P]`` values of every
+  particle); ``max_temperature`` when that already keeps the ESS, ``0`` when nothing does.
+
+  Args:
+    previous: ``[P]`` normalised log-weights before this step.
+    loss: ``[P]`` this step's losses; ``alive``: ``[P]`` bool.
+    target_ess: in particles (``ess_target * P``).
+  """
+  ess_at = lambda tau: ess(normalize(update_log_weights(previous, loss, alive, tau, forgetting)))
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = 0.5 * (lo + hi)
+    good = ess_at(mid) >= target_ess
+    return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+
+  zero = jnp.zeros((), loss.dtype)
+  lo, _ = lax.fori_loop(0, iterations, halve, (zero, zero + max_temperature))
+  return jnp.where(ess_at(zero + max_temperature) >= target_ess, zero + max_temperature, lo)
+
+
 def gather_all(x, axis_name: str):
   """All particles' ``[P]`` values from each device's ``[L]`` block, typed as
   identical on every device (``all_gather`` is typed device-varying, which
@@ -255,7 +279,8 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
 
   ``u`` from ``fold_in(key, 0)``; ``a = systematic_resample(u, all_log_w)``; slot ``n`` takes particle
   ``assign_slots(a)[n]`` (``exchange``: survivors keep their slots, as ``exchange_rounds`` requires);
-  copies get ``jitter`` from ``fold_in(key, 1)`` when ``sigma > 0``; weights reset to ``-log P``.
+  copies get ``jitter`` from ``fold_in(key, 1)`` when ``sigma`` (a float, or a traced scalar) is not
+  ``0``; weights reset to ``-log P``.
 
   Args:
     particle: tuple ``(params, ...)`` of local ``[L, ...]`` trees that move together.
@@ -266,6 +291,6 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
   u = jax.random.uniform(jax.random.fold_in(key, 0))
   src = assign_slots(systematic_resample(u, all_log_w))
   params, *rest = exchange(particle, src, axis_name, axis_size, method)
-  if sigma:
+  if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
     params = jitter(params, src, jax.random.fold_in(key, 1), sigma, axis_name)
   return (params, *rest), jnp.full_like(log_w, -jnp.log(all_log_w.shape[0])), src

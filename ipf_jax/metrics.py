@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 NUM_ECE_BINS = 15
 NUM_CERTAINTY_BINS = 200  # selective prediction and OOD AUROC: histograms of certainty (see ``certainty``)
@@ -32,17 +33,18 @@ def _bins(values, num_bins):
   return jax.nn.one_hot(jnp.clip((values * num_bins).astype(jnp.int32), 0, num_bins - 1), num_bins)
 
 
-def _calibration_sums(probs, onehot, mask, num_bins):
-  """NLL, Brier and the reliability bins of ``probs`` ``[..., b, C]``."""
+def _calibration_sums(probs, labels, mask, num_bins):
+  """NLL, Brier and the reliability bins of ``probs`` ``[b, C]`` (a label outside ``[0, C)`` is never
+  correct and has probability 0)."""
+  onehot = jax.nn.one_hot(labels, probs.shape[-1])
   conf = jnp.max(probs, axis=-1)
-  correct = (jnp.argmax(probs, axis=-1) == jnp.argmax(onehot, axis=-1)).astype(jnp.float32)
+  correct = (jnp.argmax(probs, axis=-1) == labels).astype(jnp.float32)
   p_true = jnp.sum(probs * onehot, axis=-1)
   nll = -jnp.log(jnp.maximum(p_true, _EPS))
   brier = jnp.sum(jnp.square(probs - onehot), axis=-1)
   bins = _bins(conf, num_bins) * mask[:, None]
-  ece_bins = jnp.stack([bins.sum(-2), jnp.einsum("...bk,...b->...k", bins, conf),
-                        jnp.einsum("...bk,...b->...k", bins, correct)], axis=-1)
-  return {"nll": jnp.sum(nll * mask, -1), "brier": jnp.sum(brier * mask, -1), "ece_bins": ece_bins}, correct
+  ece_bins = jnp.stack([bins.sum(0), bins.T @ conf, bins.T @ correct], axis=-1)
+  return {"nll": jnp.sum(nll * mask), "brier": jnp.sum(brier * mask), "ece_bins": ece_bins}, correct
 
 
 def classification_sums(probs, labels, mask, num_bins: int = NUM_ECE_BINS):
@@ -60,13 +62,13 @@ def classification_sums(probs, labels, mask, num_bins: int = NUM_ECE_BINS):
     each ``T`` of ``TEMPERATURES`` (a leading axis).
   """
   mask = mask.astype(jnp.float32)
-  onehot = jax.nn.one_hot(labels, probs.shape[-1])
-  sums, correct = _calibration_sums(probs, onehot, mask, num_bins)
+  sums, correct = _calibration_sums(probs, labels, mask, num_bins)
   scores = _bins(certainty(probs), NUM_CERTAINTY_BINS) * mask[:, None, None]  # [b, 2, K]
   certainty_bins = jnp.stack([scores.sum(0), jnp.einsum("bsk,b->sk", scores, correct)], axis=-1)
   log_p = jnp.log(jnp.maximum(probs, 1e-30))
-  tempered = jax.nn.softmax(log_p[None] / jnp.asarray(TEMPERATURES, jnp.float32)[:, None, None], axis=-1)
-  tempered_sums, _ = _calibration_sums(tempered, onehot, mask, num_bins)
+  # one temperature at a time (lax.map): a [b, C] buffer, not [T, b, C] (ImageNet: 41 x 1000 x 1000 floats)
+  tempered_sums = lax.map(lambda t: _calibration_sums(jax.nn.softmax(log_p / t, axis=-1), labels, mask, num_bins)[0],
+                          jnp.asarray(TEMPERATURES, jnp.float32))
   return {"count": mask.sum(), "correct": (correct * mask).sum(), **sums, "certainty_bins": certainty_bins,
           "tempered": tempered_sums}
 
@@ -147,7 +149,9 @@ def diversity_sums(probs, alive, mask, total):
 
 def finalize_diversity(sums) -> dict:
   sums = jax.tree.map(np.asarray, sums)
-  return {"disagreement": sums["disagreement"] / sums["count"], "pairwise_kl": sums["pairwise_kl"] / sums["count"]}
+  # both are >= 0; float32 sums of many terms can land a hair below
+  return {"disagreement": np.maximum(sums["disagreement"] / sums["count"], 0.0),
+          "pairwise_kl": np.maximum(sums["pairwise_kl"] / sums["count"], 0.0)}
 
 
 def weighted_train_loss(m: dict) -> float:

@@ -10,10 +10,12 @@ import optax
 from flax.training import dynamic_scale
 
 
-def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int) -> float:
-  """``none``: 1; ``linear``: G / ref; ``sqrt``: sqrt(G / ref)."""
+def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int, devices: int = 1,
+             num_particles: int = 1) -> float:
+  """``none``: 1; ``linear``: G / ref; ``sqrt``: sqrt(G / ref); ``seed``: sqrt(devices x P), the seed's
+  ``lr = base_lr * sqrt(world_size * particle_num)`` (it ignores the batch size)."""
   ratio = global_batch_size / reference_batch_size
-  return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+  return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio), "seed": math.sqrt(devices * num_particles)}[rule]
 
 
 def train_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> tuple[int, int]:
@@ -26,7 +28,8 @@ def train_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> tupl
 def create_learning_rate_fn(config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int) -> optax.Schedule:
   """Linear warmup from 0 to ``base_lr * scale``, then cosine decay to 0 (in optimizer updates)."""
   peak = config.base_lr * lr_scale(config.lr_scaling, config.global_batch_size * config.grad_accum_steps,
-                                   config.reference_batch_size)
+                                   config.reference_batch_size, config.num_devices or jax.device_count(),
+                                   config.num_particles)
   updates = max(total_steps // config.grad_accum_steps, 1)
   warmup = min(warmup_steps // config.grad_accum_steps, updates - 1)
   return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, updates, end_value=0.0)

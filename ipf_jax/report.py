@@ -151,7 +151,8 @@ def plot_eval(scalars, path, plt):
                   key=lambda m: (not m.startswith("particle"),
                                  int(m.split("_")[1]) if m.startswith("particle_") else 0, m))
   present = {t.split("/")[2] for t in scalars if t.startswith("eval/") and t.split("/")[1] in models}
-  metrics = [m for m in ("accuracy", "nll", "ece", "brier", "rmse") if m in present] or sorted(present)[:3] or ["accuracy"]
+  metrics = ([m for m in ("accuracy", "nll", "ece", "brier", "rmse") if m in present] or sorted(present)[:3]
+             or ["accuracy"])
   fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4), squeeze=False)
   for ax, metric in zip(axes[0], metrics):
     vals = [scalars[f"eval/{m}/{metric}"][1][-1] if f"eval/{m}/{metric}" in scalars else np.nan for m in models]
@@ -210,25 +211,28 @@ def plot_reliability(results, path, plt):
 
 
 def plot_shifts(results, path, plt):
-  """Accuracy and ECE per corruption against its severity (ensemble: solid, fused model: dashed); sets
-  without severities as points at 0."""
+  """Two metrics (accuracy and ECE, or the first two the task has) per corruption against its severity
+  (ensemble: solid, fused model: dashed); sets without severities as points at 0."""
+  from ipf_jax.data.shifts import family
   families = collections.defaultdict(dict)
   for name, r in results["shifts"].items():
-    family, _, level = name.rpartition("_")
-    if level.isdigit() and family:
-      families[family][int(level)] = r
-    else:
-      families[name][0] = r
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for i, (family, levels) in enumerate(sorted(families.items())):
+    corruption, level = family(name)
+    families[corruption][level] = r
+  first = next(iter(results["shifts"].values()))
+  scalars = [m for m, v in first.get("ensemble", {}).items() if np.ndim(v) == 0]
+  shown = [m for m in ("accuracy", "ece") if m in scalars] or scalars[:2]
+  fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+  for i, (corruption, levels) in enumerate(sorted(families.items())):
     xs = sorted(levels)
-    for ax, metric in zip(axes, ("accuracy", "ece")):
+    for ax, metric in zip(axes[0], shown):
       for key, style in (("ensemble", "-"), ("fused", "--")):
-        ax.plot(xs, [levels[x][key][metric] for x in xs], style, marker="o", ms=3, color=f"C{i % 10}",
-                label=family if key == "ensemble" else None)
-  for ax, metric in zip(axes, ("accuracy", "ECE")):
-    ax.set(xlabel="severity", ylabel=metric, title=f"{metric} under shift (solid: ensemble, dashed: fused)")
-  axes[0].legend(fontsize=7)
+        if key in levels[xs[0]]:
+          ax.plot(xs, [levels[x][key][metric] for x in xs], style, marker="o", ms=3, color=f"C{i % 10}",
+                  label=corruption if key == "ensemble" else None)
+  for ax, metric in zip(axes[0], shown):
+    ax.set(xlabel="severity (0: a set without severities)", ylabel=metric,
+           title=f"{metric} under shift (solid: ensemble, dashed: fused)")
+  axes[0][0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

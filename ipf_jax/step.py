@@ -3,7 +3,8 @@
   k = fold_in(rng, step)
   1. gradients:  l_i, g_i, beta_i' = value_and_grad(loss)(theta_i, beta_i, x_i)    (pmean over "data")
   2. reweigh:    log w_i <- rho log w_i - tau l_i, normalised over all particles   (one psum of the
-                 per-particle numbers: ``Numbers``)
+                 per-particle numbers: ``Numbers``; weigh_on=common: l_i on common examples,
+                 ess_target: tau_t adapted)
   3. update:     d_i = (1 - lambda) g_i + lambda sum_j w_j g_j;  theta_i, mu_i <- opt(d_i, mu_i, theta_i)
   4. resample:   if ESS < threshold P (or a particle was culled, or on schedule): copy survivors'
                  particles over the others (``filter.resample``)
@@ -55,6 +56,7 @@ class Gradients(NamedTuple):
   alive: jax.Array  # [L] bool: loss and gradient finite
   loss_finite: jax.Array  # [L] bool
   proposed: Any  # float16: each particle's proposed DynamicScale; None otherwise
+  score: Optional[jax.Array] = None  # [L] weigh_on=common: the loss on the common examples (None: ``loss``)
 
 
 def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict, key) -> Gradients:
@@ -83,8 +85,30 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, state.batch_stats, batch, keys)
   loss_finite = jnp.isfinite(loss)
   alive = loss_finite & _all_finite((grads, shared_grads))
+  score = None
+  if spec.weigh_on == "common":
+    score = common_score(task, spec, state, shared, batch, keys)
+    alive &= jnp.isfinite(score)
   grads, shared_grads = jax.tree.map(lambda g: jnp.where(per_particle(alive, g), g, 0), (grads, shared_grads))
-  return Gradients(loss, grads, shared_grads, batch_stats, alive, loss_finite, proposed)
+  return Gradients(loss, grads, shared_grads, batch_stats, alive, loss_finite, proposed, score)
+
+
+def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, batch: dict, keys):
+  """``[L]``: each particle's loss (train mode, forward only) on the same examples: the first
+  ``common_examples`` of every particle's part of this data shard's batch, gathered over ``"particle"``
+  (``P x common_examples`` examples per data shard; ``pmean`` over ``"data"``). Every particle of the
+  population is weighed on the same examples, so the weights compare particles, not batches."""
+  k = spec.common_examples
+  mine = jax.tree.map(lambda x: x[:, :k].reshape((-1,) + x.shape[2:]), batch)  # [L k, ...]
+  common = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), mine)  # [P k, ...], the same on every particle
+
+  def score_fn(params, shared, batch_stats, key):
+    outputs, _ = task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, common,
+                            train=True, key=key)
+    return lax.pmean(task.loss(outputs, common).mean(), DATA)
+
+  run = over_particles(score_fn, spec.particle_loop, (0, None, 0, 0 if task.rngs else None))
+  return run(state.params, shared, state.batch_stats, keys)
 
 
 # ---- 2. reweigh ----------------------------------------------------------------------------------------------------
@@ -100,6 +124,7 @@ class Numbers(NamedTuple):
   proposed_scale: Optional[jax.Array] = None  # inf where the loss is not finite (no vote)
   proposed_fin_steps: Optional[jax.Array] = None
   previous_log_weight: Optional[jax.Array] = None
+  score: Optional[jax.Array] = None  # weigh_on=common: what the weights use instead of ``loss``
 
 
 def gather_numbers(numbers: Numbers) -> Numbers:
@@ -109,18 +134,32 @@ def gather_numbers(numbers: Numbers) -> Numbers:
   return Numbers(**{f: table[:, i] for i, f in enumerate(names)})
 
 
-def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Numbers, jax.Array]:
-  """``(numbers [P], all_log_w [P])``: ``log w_i <- rho log w_i - tau l_i`` normalised over all ``P``
-  particles (replicated); a culled particle gets ``-inf``."""
-  raw = pf.update_log_weights(state.log_weights, g.loss, g.alive, spec.temperature, spec.forgetting)
+def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Numbers, jax.Array, jax.Array]:
+  """``(numbers [P], all_log_w [P], tau)``: ``log w_i <- rho log w_i - tau l_i`` normalised over all ``P``
+  particles (replicated); a culled particle gets ``-inf``. ``tau`` is ``temperature``, or with
+  ``ess_target`` the largest ``tau <= temperature`` that keeps the ESS at ``ess_target * P``
+  (``filter.adaptive_temperature``)."""
+  score = g.loss if g.score is None else g.score
+  raw = pf.update_log_weights(state.log_weights, score, g.alive, spec.temperature, spec.forgetting)
   numbers = Numbers(raw, g.loss, g.alive.astype(g.loss.dtype), jax.vmap(optax.tree.norm)((g.grads, g.shared_grads)))
+  if g.score is not None:
+    numbers = numbers._replace(score=g.score)
   if g.proposed is not None:
     numbers = numbers._replace(overflow=(g.loss_finite & ~g.alive).astype(g.loss.dtype),
                                proposed_scale=jnp.where(g.loss_finite, g.proposed.scale, jnp.inf),
-                               proposed_fin_steps=jnp.where(g.loss_finite, g.proposed.fin_steps, jnp.inf),
-                               previous_log_weight=state.log_weights)
+                               proposed_fin_steps=jnp.where(g.loss_finite, g.proposed.fin_steps, jnp.inf))
+  if g.proposed is not None or spec.ess_target:
+    numbers = numbers._replace(previous_log_weight=state.log_weights)
   numbers = gather_numbers(numbers)
-  return numbers, pf.normalize(numbers.log_weight)
+  temperature = jnp.asarray(spec.temperature, g.loss.dtype)
+  if spec.ess_target:  # tau_t: the largest tau <= temperature that keeps the ESS at the target
+    alive = numbers.alive > 0
+    score = numbers.loss if numbers.score is None else numbers.score
+    temperature = pf.adaptive_temperature(numbers.previous_log_weight, score, alive, spec.temperature,
+                                           spec.forgetting, spec.ess_target * spec.num_particles)
+    numbers = numbers._replace(log_weight=pf.update_log_weights(numbers.previous_log_weight, score, alive,
+                                                                temperature, spec.forgetting))
+  return numbers, pf.normalize(numbers.log_weight), temperature
 
 
 def local_slice(all_values, num_local: int):
@@ -180,13 +219,22 @@ def loss_scale_decision(ds, numbers: Numbers):
   return jax.tree.map(lambda new, old: jnp.where(jnp.isfinite(scale), new, old), decided, ds), overflow
 
 
+def jitter_sigma(spec: ParticleSpec, lr_fn: Optional[optax.Schedule], step):
+  """The noise on resampled copies: ``jitter + jitter_lr * lr(step)`` (a float when ``jitter_lr`` is 0)."""
+  if not spec.jitter_lr:
+    return spec.jitter
+  if lr_fn is None:
+    raise ValueError("jitter_lr needs the learning-rate schedule: make_train_step(..., lr_fn=...)")
+  return spec.jitter + spec.jitter_lr * lr_fn(step)
+
+
 def make_train_step(task: Task, tx: optax.GradientTransformation, spec: ParticleSpec,
-                    mesh: jax.sharding.Mesh) -> Callable:
+                    mesh: jax.sharding.Mesh, lr_fn: Optional[optax.Schedule] = None) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
 
   ``batch`` is a dict of ``[P, B, ...]`` arrays sharded ``P("particle", "data")`` (particle ``i``
   trains on ``batch[...][i]``); ``task.model`` must synchronise BatchNorm over ``"data"``. ``state``
-  is donated.
+  is donated. ``lr_fn`` (the schedule, in optimizer steps) is needed for ``spec.jitter_lr``.
   """
   num_particles = spec.num_particles
   dp = mesh.shape[PARTICLE]
@@ -195,7 +243,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     step_key = jax.random.fold_in(state.rng, state.step)
     num_local = state.log_weights.shape[0]
     g = gradients(task, spec, state, batch, step_key)
-    numbers, all_log_w = reweigh(spec, state, g)
+    numbers, all_log_w, temperature = reweigh(spec, state, g)
     log_w = local_slice(all_log_w, num_local)
     particle, shared_params, shared_opt_state = correct_and_update(tx, spec, dp, state, g, jnp.exp(log_w))
     ess = pf.ess(all_log_w)
@@ -205,7 +253,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     if spec.resampling:
       resampled = resample_decision(spec, state.step, ess, num_alive)
       particle, new_log_w, src = lax.cond(
-          resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, spec.jitter,
+          resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, jitter_sigma(spec, lr_fn, state.step),
                                               method=pf.choose_exchange(spec.exchange, dp)),
           lambda p, w: (p, w, identity), particle, log_w)
     # 5. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
@@ -223,6 +271,10 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     metrics = {"loss": numbers.loss, "alive": numbers.alive.astype(jnp.int32), "grad_norm": numbers.grad_norm,
                "log_weights": all_log_w, "ess": ess, "resampled": resampled & ok,
                "ancestors": jnp.where(resampled & ok, src, identity), "num_alive": num_alive}
+    if spec.ess_target:
+      metrics["temperature"] = temperature
+    if numbers.score is not None:
+      metrics["score"] = numbers.score
     if ds is not None:
       new_state = new_state.replace(dynamic_scale=ds, num_overflows=state.num_overflows + overflow.astype(jnp.int32))
       metrics.update(loss_scale=state.dynamic_scale.scale, overflow=overflow)

@@ -70,6 +70,8 @@ class SummaryWriter:
               "resample/event": float(m["resampled"])}
     if "loss_scale" in m:
       values.update({"train/loss_scale": m["loss_scale"], "train/overflow": float(m["overflow"])})
+    if "temperature" in m:
+      values["train/temperature"] = m["temperature"]
     for i in range(len(w)):
       values[f"particle/loss/{i}"] = m["loss"][i]
       values[f"particle/weight/{i}"] = w[i]

@@ -57,6 +57,10 @@ class Task:
   diversity: Optional[Callable] = None
   finalize_diversity: Optional[Callable[[dict], dict]] = None
 
+  def __post_init__(self):
+    if (self.diversity is None) != (self.finalize_diversity is None):
+      raise ValueError("Task: diversity and finalize_diversity go together (set both or neither)")
+
   def apply(self, variables: dict, batch: dict, train: bool, key: Optional[jax.Array] = None):
     """``outputs`` (eval) or ``(outputs, batch_stats)`` (train; ``{}`` without BatchNorm)."""
     x = batch if self.inputs is None else batch[self.inputs]

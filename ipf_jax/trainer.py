@@ -140,11 +140,17 @@ class _Run:
     self.dataset = data if data is not None else create_dataset(config)
     self.calibration = None
     if config.calibration_fraction:
-      if not hasattr(self.dataset, "holdout"):
-        raise configuration.ConfigError("calibration_fraction", f"the data {self.dataset.name!r} cannot hold out "
-                                        "part of its train split (in-memory datasets can: digits, ArrayDataset); "
-                                        "set it to 0")
-      self.dataset, self.calibration = self.dataset.holdout(config.calibration_fraction)
+      if getattr(self.dataset, "calibration", None) is None:
+        if not hasattr(self.dataset, "holdout"):
+          raise configuration.ConfigError(
+              "calibration_fraction", f"the data {self.dataset.name!r} cannot hold out part of its train split "
+              "(in-memory datasets can: digits, ArrayDataset); set it to 0")
+        self.dataset = self.dataset.holdout(config.calibration_fraction)
+      self.calibration = self.dataset.calibration
+    if data is not None and (config.eval_shifts or config.ood_dataset):
+      raise configuration.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
+                                      "the shifted and OOD sets are those of config.dataset's built-in data; with "
+                                      "your own data, evaluate your own sets (evaluation.evaluate); set it to ''")
     self.shift_sets = shifts.eval_sets(config, self.dataset)
     self.ood = shifts.ood_set(config, self.dataset)
     configuration.validate_data(config, self.dataset.train_size, jax.device_count())
@@ -209,7 +215,7 @@ class _Run:
   def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False, source=None) -> dict:
     """Metrics on the test set (or ``source``'s). Each process reads its own part of the set when the
     source can (``eval_process_local``)."""
-    source = source or self.dataset
+    source = self.dataset if source is None else source
     local = getattr(source, "eval_process_local", False)
     size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh)
     self.eval_read = 0
@@ -250,7 +256,7 @@ class _Run:
     results.update(self.evaluate_more(state, results, fused_bn, interrupted))
     step = int(state.step)
     size = self.dataset.test_size
-    extras = evaluation.format_extras(results)
+    extras = evaluation.format_extras(results, self.task.columns)
     log.info("final evaluation at step %d on %s %s test examples%s:\n%s%s", step, size if size else "the",
              self.dataset.name, f" (process 0 read {read}: each process reads its own part)"
              if jax.process_count() > 1 and read != size else "",
@@ -501,6 +507,8 @@ def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: floa
   if state.dynamic_scale is not None:
     scaling = f"  loss scale {float(state.dynamic_scale.scale):g} (overflows {int(state.num_overflows)})"
   epoch = f"  epoch {done / run.steps_per_epoch:.1f}" if run.steps_per_epoch else ""
+  if "temperature" in m:  # ess_target: this step's tau
+    scaling += f"  tau {float(m['temperature']):.3g}"
   log.info("step %d/%d%s  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
            "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, epoch, loss,
            float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),

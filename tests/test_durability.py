@@ -274,7 +274,7 @@ def test_report_reads_a_killed_runs_truncated_events(uninterrupted, tmp_path):
                                                                     full["train/loss"][1][:len(cut["train/loss"][0])])
   r = subprocess.run([os.sys.executable, "-m", "ipf_jax.report", str(workdir)], cwd=helpers.ROOT, capture_output=True,
                      text=True)
-  assert r.returncode == 0 and len(os.listdir(workdir / "report")) == 4, r.stderr
+  assert r.returncode == 0 and len(os.listdir(workdir / "report")) == 5, r.stderr  # + calibration.png
 
 
 def test_readers_create_nothing_and_replace_nothing(uninterrupted, tmp_path):

@@ -52,7 +52,8 @@ def test_tensorboard_events_hold_every_step(run):
 def test_report_writes_pictures(run, tmp_path):
   workdir, _ = run
   paths = report.write_report(str(workdir), str(tmp_path))
-  assert [p.rsplit("/", 1)[1] for p in paths] == ["training_curves.png", "weights.png", "genealogy.png", "eval.png"]
+  assert [p.rsplit("/", 1)[1] for p in paths] == ["training_curves.png", "weights.png", "genealogy.png", "eval.png",
+                                                  "calibration.png"]
   for p in paths:
     data = open(p, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -121,8 +121,10 @@ def test_temperature_scaled_picks_the_calibration_minimum():
           for k in ("ensemble", "fused")}
   out = evaluation.temperature_scaled(calibration, test)
   i2, i05 = int(np.argmin(np.abs(t - 2.0))), int(np.argmin(np.abs(t - 0.5)))
-  assert out["ensemble"] == {"temperature": 2.0, "nll": i2, "ece": i2 + 1, "brier": i2 + 2}
+  assert out["ensemble"] == {"temperature": 2.0, "nll": i2, "ece": i2 + 1, "brier": i2 + 2, "at_grid_edge": False}
   assert out["fused"]["temperature"] == 0.5 and out["fused"]["nll"] == i05
+  calibration["fused"]["nll_by_temperature"] = curve(20.0)  # beyond the grid: its edge, said so
+  assert evaluation.temperature_scaled(calibration, test)["fused"]["at_grid_edge"]
 
 
 def test_digits_corruptions_are_deterministic_and_grow_with_severity():
@@ -170,3 +172,66 @@ def test_tfds_shift_and_ood_sets_on_mock_data(tmp_path):
   # without prepared data: one error naming the field and how to prepare it
   with pytest.raises(DataError, match=r"config.eval_shifts / ood_dataset: .*cifar10_1.*tfds build cifar10_1"):
     tfds_input.TFDSEvalSet("cifar10_1", "test", data)
+
+
+def test_temperature_fitted_on_overconfident_predictions_undoes_it():
+  """Labels drawn from softmax(z), predictions softmax(2 z): the fitted temperature is about 2."""
+  rng = np.random.default_rng(4)
+  z = rng.normal(size=(4000, 6)) * 1.5
+  p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+  labels = np.array([rng.choice(6, p=row) for row in p])
+  sharp = np.exp(2 * z) / np.exp(2 * z).sum(-1, keepdims=True)
+  results = {"ensemble": metrics.finalize(metrics.classification_sums(jnp.asarray(sharp, jnp.float32),
+                                                                      jnp.asarray(labels), jnp.ones(len(labels))))}
+  fitted = evaluation.temperature_scaled(results, results)["ensemble"]
+  assert 2 / 1.2 < fitted["temperature"] < 2 * 1.2 and not fitted["at_grid_edge"]
+  assert fitted["nll"] < results["ensemble"]["nll"] and fitted["ece"] < results["ensemble"]["ece"]
+
+
+def test_selective_with_ties_and_a_particle_axis():
+  """Two particles: one bin holding every example (ties: accuracy is the bin's at every coverage), and
+  examples in two bins (the certain bin first, then linear within the other)."""
+  bins = np.zeros((2, metrics.NUM_CERTAINTY_BINS, 2))
+  bins[0, 10] = (40, 30)  # 40 tied examples, 30 correct
+  bins[1, 150] = (20, 20)  # 20 certain, all correct
+  bins[1, 5] = (20, 10)  # 20 uncertain, half correct
+  accuracy, area = metrics.selective(bins)
+  np.testing.assert_allclose(accuracy[0], 0.75)
+  c = metrics.COVERAGES
+  expected = np.where(c <= 0.5, 1.0, (20 + (c * 40 - 20) * 0.5) / (c * 40))
+  np.testing.assert_allclose(accuracy[1], expected, rtol=1e-12)
+  np.testing.assert_allclose(area, [0.75, expected.mean()])
+
+
+def test_labels_outside_the_classes_are_never_correct():
+  probs = jnp.asarray([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7]])
+  out = metrics.finalize(metrics.classification_sums(probs, jnp.asarray([-1, 5, 1]), jnp.ones(3)))
+  np.testing.assert_allclose(out["accuracy"], 1 / 3)
+
+
+def test_extras_for_regression_and_sets_without_severities():
+  """The footer and the shift picture take the metrics a task has; cifar10_1 is a set, not a severity."""
+  reg = {"nll": 1.2, "rmse": 0.5}
+  results = {"weights": np.ones(4) / 4, "ensemble": reg, "fused": reg,
+             "shifts": {"gaussian_noise_1": {"ensemble": reg, "fused": reg}, "cifar10_1": {"ensemble": reg,
+                                                                                            "fused": reg}}}
+  columns = (("NLL", "nll", "{:.4f}"), ("RMSE", "rmse", "{:.4f}"))
+  text = evaluation.format_extras(results, columns)
+  assert "ensemble NLL  ensemble RMSE  fused NLL  fused RMSE" in text
+  assert [line.split()[0] for line in text.splitlines()[1:]] == ["gaussian_noise", "cifar10_1"]
+  assert shifts.family("cifar10_1") == ("cifar10_1", 0) and shifts.family("contrast_3") == ("contrast", 3)
+
+
+def test_calibration_is_held_out_before_label_noise_and_names_the_data(tmp_path):
+  from ipf_jax import trainer
+  from ipf_jax.data import create_dataset
+  config = helpers.tiny_config(calibration_fraction=0.1, label_noise=0.5)
+  noisy = create_dataset(config)
+  clean = helpers.digits_data().holdout(0.1)
+  np.testing.assert_array_equal(noisy.calibration.test["label"], clean.calibration.test["label"])
+  assert noisy.train_size == clean.train_size == 1212 and (noisy.train["label"] != clean.train["label"]).mean() > 0.4
+  assert noisy.name == "digits (0.1 held out)" != helpers.digits_data().name  # a checkpoint of other data: refused
+  config = helpers.tiny_config(eval_shifts="blur")
+  with pytest.raises(ConfigError, match="config.eval_shifts: the shifted and OOD sets are those of config.dataset"):
+    trainer._Run(config, str(tmp_path / "w"), for_training=False, data=helpers.digits_data())
+  assert not (tmp_path / "w").exists()

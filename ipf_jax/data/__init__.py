@@ -21,6 +21,8 @@ def create_dataset(config: ml_collections.ConfigDict):
   if config.dataset == "digits":
     from ipf_jax.data import digits
     data = digits.load()
+    if config.calibration_fraction:  # before the label noise: the temperature is fitted on clean labels
+      data = data.holdout(config.calibration_fraction)
     if config.train_fraction < 1 or config.label_noise > 0:
       data = data.harder(config.train_fraction, config.label_noise)
     return data

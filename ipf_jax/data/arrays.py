@@ -18,6 +18,7 @@ class ArrayDataset:
   train: dict  # {field: [N, ...] array}
   test: dict
   num_classes: Optional[int] = None  # classification only
+  calibration: Optional["ArrayDataset"] = None  # held out of the train split by ``holdout``
 
   process_local = False  # train batches are the whole global batch (each process places its shards)
   eval_process_local = True  # eval batches are this process's part of the test set
@@ -72,16 +73,20 @@ class ArrayDataset:
     labels[noisy] = (labels[noisy] + rng.integers(1, self.num_classes, noisy.sum())) % self.num_classes
     return dataclasses.replace(self, train={**train, "label": labels.astype(np.int32)})
 
-  def holdout(self, fraction: float, seed: int = 0) -> tuple["ArrayDataset", "ArrayDataset"]:
-    """``(rest, held_out)``: a fixed random ``fraction`` of the training set taken out of it (fixed by
-    ``seed``), as the test split of a second dataset (e.g. to fit a temperature on)."""
+  def holdout(self, fraction: float, seed: int = 0) -> "ArrayDataset":
+    """The dataset without a fixed random ``fraction`` of its training set (fixed by ``seed``), which
+    becomes ``calibration``, a dataset whose test split it is (e.g. to fit a temperature on). The name
+    says what was held out, so that a checkpoint trained on other data is refused."""
     rng = np.random.default_rng([seed, 104_729])
     order = rng.permutation(self.train_size)
     cut = max(1, round(fraction * self.train_size))
     held, rest = np.sort(order[:cut]), np.sort(order[cut:])
-    return (dataclasses.replace(self, train={k: v[rest] for k, v in self.train.items()}),
-            dataclasses.replace(self, name=f"{self.name} (held out)", train={k: v[held[:1]] for k, v in self.train.items()},
-                                test={k: v[held] for k, v in self.train.items()}))
+    name = f"{self.name} ({fraction:g} held out)"
+    calibration = dataclasses.replace(self, name=f"{self.name} (the {fraction:g} held out)",
+                                      train={k: v[held[:1]] for k, v in self.train.items()},
+                                      test={k: v[held] for k, v in self.train.items()})
+    return dataclasses.replace(self, name=name, train={k: v[rest] for k, v in self.train.items()},
+                               calibration=calibration)
 
   def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
     """``train_batch`` for ``start_step, start_step + 1, ...``."""

@@ -84,6 +84,15 @@ def photo_patches(num: int, size: int = 8) -> np.ndarray:
   return np.stack(out)[..., None].astype(np.float32)
 
 
+def family(name: str) -> tuple:
+  """``(corruption, severity)`` of a shifted set's name (``contrast_3``), ``(name, 0)`` for a set without
+  severities (``cifar10_1``, ``imagenet_v2``)."""
+  corruption, _, level = name.rpartition("_")
+  if level.isdigit() and corruption in set(DIGITS_CORRUPTIONS) | set(CORRUPTIONS_C):
+    return corruption, int(level)
+  return name, 0
+
+
 def names(config, dataset_name: str) -> tuple:
   """The shifts ``config.eval_shifts`` names for ``dataset_name`` (``all``: every one it has)."""
   known = known_shifts(dataset_name)

@@ -35,7 +35,7 @@ def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
   where = data_dir or "~/tensorflow_datasets"
   if name.split("/")[0] in ("imagenet2012", "imagenet2012_corrupted"):
     return (f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
-            f"{where}/downloads/manual/, then run `tfds build imagenet2012 --data_dir={where}` "
+            f"{where}/downloads/manual/, then run `tfds build {name} --data_dir={where}` "
             f"(and pass --config.data_dir={where}).")
   return f"Prepare it on a machine with internet access: `tfds build {name} --data_dir={where}`."
 
@@ -187,12 +187,18 @@ def _eval_batches(builder, split: str, like: TFDSDataset, batch_size: int) -> It
   import tensorflow_datasets as tfds
   tf = _tf()
   name, size, small = like.name, like.image_size, like.small_images
+  cropped = builder.info.name == "imagenet2012_corrupted"
 
   def preprocess(example):
     image = example["image"]
     if image.shape[-1] == 1:  # grey images (an OOD set) as RGB
       image = tf.image.grayscale_to_rgb(image)
-    image = tf.image.resize(image, (size, size)) if small else _center_crop(tf, image, size)
+    if small:
+      image = tf.image.resize(image, (size, size))
+    elif cropped:  # ImageNet-C: already the 224 x 224 centre crop of the validation image
+      image = tf.image.resize_with_crop_or_pad(image, size, size)
+    else:
+      image = _center_crop(tf, image, size)
     return {"image": _normalize(tf, image, name), "label": tf.cast(example.get("label", 0), tf.int32)}
 
   ds = builder.as_dataset(split=tfds.split_for_jax_process(split, drop_remainder=False), shuffle_files=False)

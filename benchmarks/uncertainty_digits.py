@@ -1,0 +1,102 @@
+"""Uncertainty on digits at equal compute (issue: Uncertainty): clean, corrupted, OOD, diversity.
+
+  python -m benchmarks.uncertainty_digits [--seeds 5] [--steps 300] [--methods ddp,ensemble,...]
+
+Digits (scikit-learn), 8 fake CPU devices, the digits CNN, global batch 128 and
+the same number of steps for every method (equal compute: every method trains
+8 models on 16 examples each per step except ddp, one model on 128). Two data
+variants: the full training split, and a harder one (20% of it with 20%
+symmetric label noise). Each run is evaluated on the clean test set, on the
+five digits corruptions at severities 1-5 (``config.eval_shifts=all``) and
+against the photo patches as OOD (``config.ood_dataset=photos``). Reports mean
+± std over seeds: accuracy, NLL, ECE, Brier of the weighted ensemble and of
+the single model (ddp's model, ipf's fused model, the ensemble's mean member),
+the ensemble's accuracy and ECE under the corruptions (mean over all 25 sets),
+OOD AUROC by the ensemble's maximum probability, diversity at the end
+(disagreement, pairwise KL) and resamplings per run. A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import print_summary  # noqa: E402
+from configs import digits  # noqa: E402
+from ipf_jax import report, trainer  # noqa: E402
+
+METHODS = {
+    "ddp": dict(mode="ddp", num_particles=1),
+    "deep ensemble": dict(mode="ensemble", num_particles=8),
+    "ipf (default)": dict(mode="ipf"),
+    "ipf ess_target=0.5": dict(mode="ipf", ess_target=0.5),
+    "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
+    "ipf jitter_lr=0.1": dict(mode="ipf", jitter_lr=0.1),
+    "ipf common + ess_target=0.5": dict(mode="ipf", weigh_on="common", ess_target=0.5),
+    "seed recipe (rho=0; lr sqrt(world P))": dict(mode="ipf", forgetting=0.0, lr_scaling="seed"),
+}
+VARIANTS = {"full": dict(), "harder (20% + 20% noise)": dict(train_fraction=0.2, label_noise=0.2)}
+COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, ".3f"), ("single_nll", 1, ".3f"),
+           ("ens_ece", 1, ".3f"), ("ens_brier", 1, ".3f"), ("shift_ens_acc", 100, ".1f"), ("shift_ens_ece", 1, ".3f"),
+           ("ood_auroc", 1, ".3f"), ("disagreement", 1, ".3f"), ("pairwise_kl", 1, ".3f"), ("resamples", 1, ".0f")]
+
+
+def run_one(method, variant, seed, steps, workdir):
+  config = digits.get_config()
+  config.seed, config.num_train_steps, config.log_every_steps = seed, steps, steps
+  config.checkpoint_every_steps, config.num_cpu_devices = -1, 0
+  config.eval_shifts, config.ood_dataset = "all", "photos"
+  for k, v in {**METHODS[method], **VARIANTS[variant]}.items():
+    config[k] = v
+  r = trainer.train_and_evaluate(config, workdir)
+  if config.mode == "ensemble":  # its single model: the mean member
+    single = {m: float(np.nanmean(r["particles"][m])) for m in ("accuracy", "nll")}
+  else:
+    single = r["fused"]
+  shifted = r["shifts"].values()
+  resamples = report.read_scalars(workdir).get("train/resamples", (None, [0.0]))[1]
+  return {"ens_acc": r["ensemble"]["accuracy"], "single_acc": single["accuracy"], "ens_nll": r["ensemble"]["nll"],
+          "single_nll": single["nll"], "ens_ece": r["ensemble"]["ece"], "ens_brier": r["ensemble"]["brier"],
+          "shift_ens_acc": float(np.mean([s["ensemble"]["accuracy"] for s in shifted])),
+          "shift_ens_ece": float(np.mean([s["ensemble"]["ece"] for s in shifted])),
+          "ood_auroc": float(r["ood"]["ensemble"]["auroc_max_prob"]),
+          "disagreement": r["diversity"]["disagreement"], "pairwise_kl": r["diversity"]["pairwise_kl"],
+          "resamples": float(resamples[-1])}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seeds", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--methods", default=",".join(METHODS))
+  args = parser.parse_args()
+  logging.getLogger("ipf_jax").disabled = True
+  jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
+  table = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for variant in VARIANTS:
+      for method in args.methods.split(","):
+        runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"))
+                for seed in range(args.seeds)]
+        table[(variant, method)] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs])))
+                                    for k in runs[0]}
+        print(f"done {variant} / {method}", flush=True)
+  print(f"\n{args.seeds} seeds, {args.steps} steps, global batch 128, mean ± std; shift = mean over the 25 "
+        "corrupted test sets; OOD = photo patches, AUROC by the ensemble's max probability\n")
+  print("| data | method | " + " | ".join(c for c, _, _ in COLUMNS) + " |")
+  print("|" + "---|" * (len(COLUMNS) + 2))
+  for (variant, method), row in table.items():
+    print(f"| {variant} | {method} | " + " | ".join(f"{scale * row[c][0]:{f}} ± {scale * row[c][1]:{f}}"
+                                                 for c, scale, f in COLUMNS) + " |")
+  print_summary({"benchmark": "uncertainty_digits", "seeds": args.seeds, "steps": args.steps,
+                 "results": {f"{v} / {m}": {k: r[k][0] for k in r} for (v, m), r in table.items()}})
+
+
+if __name__ == "__main__":
+  main()
