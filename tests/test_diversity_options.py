@@ -44,7 +44,7 @@ def test_adaptive_temperature_is_the_largest_that_keeps_the_ess(seed):
     assert abs(tau - best) <= 2 * tau_max / 20000 + 1e-4 * tau_max, (tau, best)
 
 
-@pytest.mark.parametrize("dp,dd", [(8, 1), (2, 4)])
+@pytest.mark.parametrize("dp,dd", [(2, 4)])  # weigh_on=common below runs on (8, 1) and (4, 2)
 def test_step_with_ess_target_reweighs_with_the_adaptive_temperature(dp, dd):
   """Each step: tau_t <= temperature, the weights are rho log w - tau_t loss normalised, and their ESS
   is at the target (or tau_t = temperature already keeps it); ``temperature`` is in the metrics."""
