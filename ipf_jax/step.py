@@ -234,7 +234,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
 
   ``batch`` is a dict of ``[P, B, ...]`` arrays sharded ``P("particle", "data")`` (particle ``i``
   trains on ``batch[...][i]``); ``task.model`` must synchronise BatchNorm over ``"data"``. ``state``
-  is donated. ``lr_fn`` (the schedule, in optimizer steps) is needed for ``spec.jitter_lr``.
+  is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``.
   """
   num_particles = spec.num_particles
   dp = mesh.shape[PARTICLE]
