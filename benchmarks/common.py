@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: build a train step from a config, synthetic batches, timing."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -95,12 +96,29 @@ def print_summary(summary: dict) -> None:
   print("SUMMARY " + json.dumps(summary, sort_keys=True))
 
 
+def study_parser(doc: str, seeds: int = 3, methods: tuple = ()) -> argparse.ArgumentParser:
+  """The digits studies' command line: ``--seeds``, ``--steps``, ``--cnn_features`` (and ``--methods``)."""
+  parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seeds", type=int, default=seeds)
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--cnn_features", default="", help="e.g. 4,8: a smaller CNN than the digits config's "
+                      "(smoke runs; the tables use the config's)")
+  if methods:
+    parser.add_argument("--methods", default=",".join(methods))
+  return parser
+
+
+def base_overrides(args) -> dict:
+  """Config changes every run of a study gets from its command line."""
+  return {"cnn_features": tuple(int(f) for f in args.cnn_features.split(","))} if args.cnn_features else {}
+
+
 def digits_study(name: str, variants: dict, row: Callable[[dict, dict], dict], seeds: int, steps: int,
-                 columns: list[tuple[str, float, str]], note: str = "") -> dict:
+                 columns: list[tuple[str, float, str]], note: str = "", base: dict | None = None) -> dict:
   """Trains the digits config once per (variant, seed) in this process and prints a markdown table
   of ``row(eval_results, tensorboard_scalars)`` (mean ± std over seeds; a column missing from a
   variant's rows shows "–") and ``SUMMARY {json}``. ``variants``: name -> config overrides;
-  ``columns``: (key, scale, format). Returns ``{variant: {key: (mean, std)}}``."""
+  ``columns``: (key, scale, format); ``base``: overrides for every run. Returns ``{variant: {key: (mean, std)}}``."""
   import logging
   import os
   import tempfile
@@ -117,7 +135,7 @@ def digits_study(name: str, variants: dict, row: Callable[[dict, dict], dict], s
         config = digits.get_config()
         config.seed, config.num_train_steps, config.log_every_steps = seed, steps, steps
         config.checkpoint_every_steps, config.num_cpu_devices = -1, 0
-        for k, v in overrides.items():
+        for k, v in {**(base or {}), **overrides}.items():
           config[k] = v
         workdir = os.path.join(tmp, f"{len(table)}-{seed}")
         results = trainer.train_and_evaluate(config, workdir)

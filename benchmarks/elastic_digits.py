@@ -12,12 +12,11 @@ the fused parameters at the end. Prints a markdown table and ``SUMMARY
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from benchmarks.common import digits_study  # noqa: E402
+from benchmarks.common import base_overrides, digits_study, study_parser  # noqa: E402
 
 DATA = {"full": dict(), "20% subset + 20% noise": dict(train_fraction=0.2, label_noise=0.2)}
 ALPHAS = (0.0, 0.05, 0.2)
@@ -30,15 +29,13 @@ def row(results, scalars):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--steps", type=int, default=300)
+  parser = study_parser(__doc__)
   args = parser.parse_args()
   variants = {f"{data}, alpha {alpha}": {**overrides, "elastic_pull": alpha}
               for data, overrides in DATA.items() for alpha in ALPHAS}
   digits_study("elastic_digits", variants, row, args.seeds, args.steps,
                [("fused_acc", 100, ".2f"), ("ens_acc", 100, ".2f"), ("fused_nll", 1, ".4f"), ("ens_nll", 1, ".4f"),
-                ("diversity", 1, ".3f")])
+                ("diversity", 1, ".3f")], base=base_overrides(args))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ benchmark, not a test.
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from benchmarks.common import digits_study  # noqa: E402
+from benchmarks.common import base_overrides, digits_study, study_parser  # noqa: E402
 
 SETTINGS = {
     "ipf, lambda 0.5 (default)": dict(),
@@ -30,9 +29,7 @@ SETTINGS = {
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--steps", type=int, default=300)
+  parser = study_parser(__doc__)
   parser.add_argument("--batches", type=int, default=8)
   args = parser.parse_args()
 
@@ -45,7 +42,7 @@ def main():
   digits_study("fused_bn_digits", variants, row, args.seeds, args.steps,
                [("fused_acc", 100, ".2f"), ("fused_bn_acc", 100, ".2f"), ("fused_nll", 1, ".4f"),
                 ("fused_bn_nll", 1, ".4f"), ("diversity", 1, ".3f")],
-               note=f"BN re-estimated on {args.batches} training batches of 128")
+               note=f"BN re-estimated on {args.batches} training batches of 128", base=base_overrides(args))
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ float16/bfloat16, so this says nothing about speed: see ``gpu_resnet50.py
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from benchmarks.common import digits_study  # noqa: E402
+from benchmarks.common import base_overrides, digits_study, study_parser  # noqa: E402
 
 VARIANTS = {
     "float32": dict(dtype="float32"),
@@ -40,13 +39,12 @@ def row(results, scalars):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--steps", type=int, default=300)
+  parser = study_parser(__doc__)
   args = parser.parse_args()
   digits_study("precision_digits", VARIANTS, row, args.seeds, args.steps,
                [("fused_acc", 100, ".2f"), ("ens_acc", 100, ".2f"), ("fused_nll", 1, ".4f"), ("ens_nll", 1, ".4f"),
-                ("final_train_loss", 1, ".4f"), ("overflow_steps", 1, ".1f"), ("final_loss_scale", 1, ".0f")])
+                ("final_train_loss", 1, ".4f"), ("overflow_steps", 1, ".1f"), ("final_loss_scale", 1, ".0f")],
+               base=base_overrides(args))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ markdown table and ``SUMMARY {json}``. A benchmark, not a test.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import tempfile
@@ -25,7 +24,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import print_summary  # noqa: E402
+from benchmarks.common import base_overrides, print_summary, study_parser  # noqa: E402
 from configs import digits  # noqa: E402
 from ipf_jax import report, trainer  # noqa: E402
 
@@ -41,7 +40,7 @@ TARGET = {"full": 0.95, "20% subset + 20% noise": 0.85}
 EVAL_EVERY = 20
 
 
-def run_one(method, variant, seed, steps, workdir):
+def run_one(method, variant, seed, steps, workdir, base=None):
   config = digits.get_config()
   config.seed = seed
   config.num_train_steps = steps
@@ -49,7 +48,7 @@ def run_one(method, variant, seed, steps, workdir):
   config.log_every_steps = steps
   config.checkpoint_every_steps = -1
   config.num_cpu_devices = 0
-  for k, v in {**METHODS[method], **VARIANTS[variant]}.items():
+  for k, v in {**(base or {}), **METHODS[method], **VARIANTS[variant]}.items():
     config[k] = v
   if variant != "full":
     config.global_batch_size = 128  # same batch; the smaller set just means more epochs
@@ -70,10 +69,7 @@ def run_one(method, variant, seed, steps, workdir):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seeds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--methods", default=",".join(METHODS))
+  parser = study_parser(__doc__, seeds=5, methods=tuple(METHODS))
   args = parser.parse_args()
   logging.getLogger("ipf_jax").disabled = True
   jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
@@ -84,7 +80,8 @@ def main():
       for method in methods:
         runs = []
         for seed in range(args.seeds):
-          runs.append(run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}")))
+          runs.append(run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"),
+                              base_overrides(args)))
         table[(variant, method)] = {k: (float(np.nanmean([r[k] for r in runs])), float(np.nanstd([r[k] for r in runs])),
                                         int(np.sum(np.isfinite([r[k] for r in runs])))) for k in runs[0]}
         print(f"done {variant} / {method}", flush=True)

@@ -17,7 +17,6 @@ OOD AUROC by the ensemble's maximum probability, diversity at the end
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import tempfile
@@ -27,7 +26,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import print_summary  # noqa: E402
+from benchmarks.common import base_overrides, print_summary, study_parser  # noqa: E402
 from configs import digits  # noqa: E402
 from ipf_jax import report, trainer  # noqa: E402
 
@@ -47,12 +46,12 @@ COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, "
            ("ood_auroc", 1, ".3f"), ("disagreement", 1, ".3f"), ("pairwise_kl", 1, ".3f"), ("resamples", 1, ".0f")]
 
 
-def run_one(method, variant, seed, steps, workdir):
+def run_one(method, variant, seed, steps, workdir, base=None):
   config = digits.get_config()
   config.seed, config.num_train_steps, config.log_every_steps = seed, steps, steps
   config.checkpoint_every_steps, config.num_cpu_devices = -1, 0
   config.eval_shifts, config.ood_dataset = "all", "photos"
-  for k, v in {**METHODS[method], **VARIANTS[variant]}.items():
+  for k, v in {**(base or {}), **METHODS[method], **VARIANTS[variant]}.items():
     config[k] = v
   r = trainer.train_and_evaluate(config, workdir)
   if config.mode == "ensemble":  # its single model: the mean member
@@ -71,10 +70,7 @@ def run_one(method, variant, seed, steps, workdir):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seeds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--methods", default=",".join(METHODS))
+  parser = study_parser(__doc__, seeds=5, methods=tuple(METHODS))
   args = parser.parse_args()
   logging.getLogger("ipf_jax").disabled = True
   jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
@@ -82,8 +78,8 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     for variant in VARIANTS:
       for method in args.methods.split(","):
-        runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"))
-                for seed in range(args.seeds)]
+        runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"),
+                        base_overrides(args)) for seed in range(args.seeds)]
         table[(variant, method)] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs])))
                                     for k in runs[0]}
         print(f"done {variant} / {method}", flush=True)

@@ -46,9 +46,13 @@ def main(workdir, steps=200):
   return results
 
 
-if __name__ == "__main__":
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--workdir", default="runs/custom")
   parser.add_argument("--steps", type=int, default=200)
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+  args = parse_args()
   main(args.workdir, args.steps)

@@ -60,12 +60,16 @@ def main(workdir, mode="ipf", particles=8, steps=150, seed=0):
   return results
 
 
-if __name__ == "__main__":
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", default="runs/diabetes")
   parser.add_argument("--mode", default="ipf", choices=["ddp", "ensemble", "ipf"])
   parser.add_argument("--particles", type=int, default=8)
   parser.add_argument("--steps", type=int, default=150)
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+  args = parse_args()
   main(args.workdir, args.mode, args.particles if args.mode != "ddp" else 1, args.steps, args.seed)

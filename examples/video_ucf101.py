@@ -146,10 +146,14 @@ def main(workdir, data_dir=None, steps=None, num_frames=8, image_size=64, **over
   return ipf_jax.train_and_evaluate(config, workdir, task=task, data=data)
 
 
-if __name__ == "__main__":
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", default="runs/ucf101")
   parser.add_argument("--data_dir", default=None)
   parser.add_argument("--steps", type=int, default=None)
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+  args = parse_args()
   main(args.workdir, args.data_dir, args.steps)

@@ -69,10 +69,9 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
   lr_fn = optim.create_learning_rate_fn(config, total, warmup)
   tx = optim.create_optimizer(config, lr_fn)
   abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh)
-  step_lr = lambda step: lr_fn(step // config.grad_accum_steps)  # the schedule counts optimizer updates
   return Parts(config=config, task=task, mesh=mesh, spec=spec, total_steps=total, lr_fn=lr_fn, tx=tx,
-               abstract_state=abstract, init_state=init, train_step=step_lib.make_train_step(task, tx, spec, mesh,
-                                                                                             step_lr),
+               abstract_state=abstract, init_state=init,
+               train_step=step_lib.make_train_step(task, tx, spec, mesh, lr_fn),
                eval_step=evaluation.make_eval_step(task, mesh, spec.particle_loop), fuse=fusion.make_fuse_fn(mesh),
                fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop))
 

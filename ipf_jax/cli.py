@@ -30,18 +30,44 @@ from ipf_jax import workdir
 from ipf_jax.data.errors import DataError
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", "runs/digits", "Directory for checkpoints, logs, config and results; "
-                    "an existing one is resumed.")
-flags.DEFINE_bool("eval_only", False, "Evaluate the newest checkpoint in --workdir and print the table; no training. "
-                  "Writes eval_results.step<N>.json beside the run's results and changes nothing else.")
-flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (jax.distributed). Without "
-                    "it, jax.distributed.initialize() detects SLURM, Open MPI, Cloud TPU pods, GKE, ... by itself.")
-flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (with --coordinator_address).")
-flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (with --coordinator_address).")
-flags.DEFINE_integer("startup_timeout", 300, "Multi-host: seconds to wait for every process to connect before "
-                     "stopping with an error naming the coordinator.")
-flags.DEFINE_integer("peer_timeout", 60, "Multi-host: a process that has not answered for this many seconds is "
-                     "lost; the others stop with an error naming it.")
+
+
+def define_flags(flag_values: flags.FlagValues, argv=None) -> None:
+  """The command's flags on ``flag_values`` (``FLAGS``; tests parse README commands on fresh ones)."""
+  f = dict(flag_values=flag_values)
+  flags.DEFINE_string("workdir", "runs/digits", "Directory for checkpoints, logs, config and results; "
+                      "an existing one is resumed.", **f)
+  flags.DEFINE_bool("eval_only", False, "Evaluate the newest checkpoint in --workdir and print the table; no "
+                    "training. Writes eval_results.step<N>.json beside the run's results and changes nothing else.",
+                    **f)
+  flags.DEFINE_bool("dry_run", False, "Check the config, devices, data and --workdir as a run would, print what it "
+                    "would do (train, resume at step N, only evaluate) and exit: nothing is compiled or written.", **f)
+  flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (jax.distributed). Without "
+                      "it, jax.distributed.initialize() detects SLURM, Open MPI, Cloud TPU pods, GKE, ... by itself.",
+                      **f)
+  flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (with --coordinator_address).", **f)
+  flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (with --coordinator_address).", **f)
+  flags.DEFINE_integer("startup_timeout", 300, "Multi-host: seconds to wait for every process to connect before "
+                       "stopping with an error naming the coordinator.", **f)
+  flags.DEFINE_integer("peer_timeout", 60, "Multi-host: a process that has not answered for this many seconds is "
+                       "lost; the others stop with an error naming it.", **f)
+  # ml_collections already applies the --config.FIELD overrides of sys.argv to the default file here.
+  try:
+    config_flags.DEFINE_config_file("config", default_config_path(), "Training configuration file (a checkout's "
+                                    "configs/*.py, or your own).", lock_config=True, sys_argv=argv, **f)
+  except Exception as e:  # noqa: BLE001
+    _config_error(e, argv or sys.argv)
+
+
+def apply_mode(config, argv) -> None:
+  """``--config.mode=ddp`` on the command line trains one model: it implies ``num_particles=1`` unless the
+  command line sets ``num_particles`` too (then the config check decides)."""
+  given = {_field(a) for a in argv[1:] if a.startswith("--config.")}
+  if config.mode == "ddp" and "mode" in given and "num_particles" not in given and config.num_particles != 1:
+    print(f"mode=ddp trains one model: num_particles=1 (the config's {config.num_particles} is for ensemble and "
+          "ipf)")
+    config.num_particles = 1
+
 
 ERRORS = (configuration.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, workdir.WorkdirError,
           DataError)
@@ -85,23 +111,16 @@ def default_config_path() -> str:
   return os.path.join(list(spec.submodule_search_locations)[0], "digits.py") if spec else checkout
 
 
-def _define_config_flag() -> None:
-  # ml_collections already applies the --config.FIELD overrides of sys.argv to the default file here.
+define_flags(FLAGS)
+
+
+def parse_flags(argv, flag_values: flags.FlagValues = FLAGS):
+  """absl flag parsing with one line (exit code 2) for an unknown flag or a bad ``--config...`` value;
+  then the mode's implied particle count (``apply_mode``)."""
   try:
-    config_flags.DEFINE_config_file("config", default_config_path(), "Training configuration file (a checkout's "
-                                    "configs/*.py, or your own).", lock_config=True)
-  except Exception as e:  # noqa: BLE001
-    _config_error(e, sys.argv)
-
-
-_define_config_flag()
-
-
-def parse_flags(argv):
-  """absl flag parsing with one line (exit code 2) for an unknown flag or a bad ``--config...`` value."""
-  try:
-    rest = FLAGS(argv)
-    FLAGS.config.keys()  # ml_collections reports a config file that failed to load on first access
+    rest = flag_values(argv)
+    flag_values.config.keys()  # ml_collections reports a config file that failed to load on first access
+    apply_mode(flag_values.config, argv)
     return rest
   except flags.Error as e:
     _usage_error(f"{e}. See --helpfull.")
@@ -122,7 +141,9 @@ def main(argv):
                         startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
   error = None
   try:
-    if FLAGS.eval_only:
+    if FLAGS.dry_run:
+      print(trainer.check_run(FLAGS.config, FLAGS.workdir, eval_only=FLAGS.eval_only))
+    elif FLAGS.eval_only:
       trainer.evaluate_checkpoint(FLAGS.config, FLAGS.workdir)
     else:
       trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)

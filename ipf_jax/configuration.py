@@ -64,6 +64,7 @@ class ParticleSpec:
   common_examples: int = 2  # weigh_on=common: examples from each particle's part of the batch (per data shard)
   ess_target: float = 0.0  # > 0: tau_t by bisection so that the ESS after reweighting stays >= ess_target * P
   jitter_lr: float = 0.0  # resampled copies' noise: sigma = jitter + jitter_lr * learning rate
+  accum_steps: int = 1  # each step's batch as this many micro-batches, gradients averaged (grad_accum_steps)
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -79,9 +80,10 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
                         particle_loop=resolve_particle_loop(config.particle_loop),
                         exchange=config.resample_exchange, ess_target=float(config.ess_target),
                         weigh_on=config.weigh_on, common_examples=int(config.common_examples),
-                        jitter_lr=float(config.jitter_lr))
+                        jitter_lr=float(config.jitter_lr), accum_steps=int(config.grad_accum_steps))
   return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False,
-                      particle_loop=resolve_particle_loop(config.particle_loop))
+                      particle_loop=resolve_particle_loop(config.particle_loop),
+                      accum_steps=int(config.grad_accum_steps))
 
 
 def _check(cond: bool, field: str, message: str):
@@ -165,7 +167,8 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check(config.num_epochs >= 0, "num_epochs", f"must be >= 0 (0 = use num_train_steps), got {config.num_epochs}")
   _check(config.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {config.warmup_epochs}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
-  _check(config.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1 (1 = off), got {config.grad_accum_steps}")
+  _check(isinstance(config.grad_accum_steps, int) and config.grad_accum_steps >= 1, "grad_accum_steps",
+         f"must be an integer >= 1 (1 = off), got {config.grad_accum_steps!r}")
   _check(0 < config.train_fraction <= 1, "train_fraction", f"must be in (0, 1], got {config.train_fraction}")
   _check(0 <= config.label_noise < 1, "label_noise", f"must be in [0, 1), got {config.label_noise}")
   if config.dataset != "digits":
@@ -208,10 +211,16 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
          f"{g} is not divisible by num_particles x data devices = {p} x {dd} = {p * dd}; "
          f"use a multiple of {p * dd} such as {max(1, g // (p * dd)) * p * dd}"
          + (f", or run on num_devices in {fits}" if fits else ""))
+  k = config.grad_accum_steps
+  shard = g // (p * dd)
+  _check(shard % k == 0, "grad_accum_steps",
+         f"{k} micro-batches do not divide the {shard} examples of a particle's part of a data shard "
+         f"(global_batch_size / (num_particles x data devices) = {g} / ({p} x {dd})); use a divisor of {shard} "
+         f"such as {max(d for d in range(1, k + 1) if shard % d == 0)}, or a global_batch_size that is a multiple "
+         f"of {p * dd * k}")
   _check(config.eval_batch_size > 0, "eval_batch_size",
          f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)")
   if config.weigh_on == "common" and config.mode == "ipf":
-    shard = g // (p * dd)
     _check(config.common_examples <= shard, "common_examples",
            f"{config.common_examples} is more than the {shard} examples of a particle's part of a data shard "
            f"(global_batch_size / (num_particles x data devices)); use at most {shard}")

@@ -29,7 +29,7 @@ def get_config():
   config.data_dir = ""                 # TFDS data_dir holding the prepared dataset ("" = TFDS default)
   config.image_size = 224              # TFDS datasets: training/eval crop size
   config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer
-  config.global_batch_size = 128       # G: examples per step, over all particles and devices
+  config.global_batch_size = 128       # G: examples per step (one update), over all particles and devices
   config.eval_batch_size = 256         # per eval step (rounded up to a multiple of the devices; padded, masked)
   config.train_fraction = 1.0          # embedded datasets: train on this fixed random fraction of the train split
   config.label_noise = 0.0             # embedded datasets: this fraction of train labels replaced by another class
@@ -62,7 +62,9 @@ def get_config():
   config.warmup_steps = 20             # linear warmup, then cosine decay to 0
   config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
   config.label_smoothing = 0.0         # cross-entropy label smoothing
-  config.grad_accum_steps = 1          # accumulate gradients over N steps per update (optax.MultiSteps)
+  config.grad_accum_steps = 1          # k: each step's global batch runs as k micro-batches of G / k (activation
+                                       # memory of G / k), gradients and losses averaged, then one filter step
+                                       # and one update (1 = off)
   config.momentum = 0.9                # SGD momentum
   config.nesterov = True               # Nesterov momentum
   config.weight_decay = 1e-4           # decoupled, on kernels only (not BN, not biases)

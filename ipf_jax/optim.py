@@ -26,13 +26,11 @@ def train_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> tupl
 
 
 def create_learning_rate_fn(config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to ``base_lr * scale``, then cosine decay to 0 (in optimizer updates)."""
-  peak = config.base_lr * lr_scale(config.lr_scaling, config.global_batch_size * config.grad_accum_steps,
-                                   config.reference_batch_size, config.num_devices or jax.device_count(),
-                                   config.num_particles)
-  updates = max(total_steps // config.grad_accum_steps, 1)
-  warmup = min(warmup_steps // config.grad_accum_steps, updates - 1)
-  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, updates, end_value=0.0)
+  """Linear warmup from 0 to ``base_lr * scale`` over ``warmup_steps``, then cosine decay to 0 at
+  ``total_steps`` (one optimizer update per train step, also with gradient accumulation)."""
+  peak = config.base_lr * lr_scale(config.lr_scaling, config.global_batch_size, config.reference_batch_size,
+                                   config.num_devices or jax.device_count(), config.num_particles)
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps, total_steps, end_value=0.0)
 
 
 def _decay_mask(params):
@@ -41,10 +39,11 @@ def _decay_mask(params):
 
 
 def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -> optax.GradientTransformation:
-  """SGD with (Nesterov) momentum, decoupled masked weight decay, optional clipping,
-  and gradient accumulation over ``grad_accum_steps`` steps (``optax.MultiSteps``).
+  """SGD with (Nesterov) momentum, decoupled masked weight decay and optional clipping of each
+  particle's gradient by its global norm.
 
-  One particle's optimizer: the train step vmaps it over the particle axis.
+  One particle's optimizer: the train step vmaps it over the particle axis. Gradient accumulation
+  (``grad_accum_steps``) happens inside the train step, before the filter (``step.accumulate``).
   """
   parts = []
   if config.grad_clip_norm:
@@ -53,10 +52,7 @@ def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -
     parts.append(optax.add_decayed_weights(config.weight_decay, mask=_decay_mask))
   parts.append(optax.sgd(lr_fn, momentum=config.momentum or None,
                          nesterov=config.nesterov and bool(config.momentum)))
-  tx = optax.chain(*parts)
-  if config.grad_accum_steps > 1:
-    tx = optax.MultiSteps(tx, every_k_schedule=config.grad_accum_steps)
-  return tx
+  return optax.chain(*parts)
 
 
 def create_dynamic_scale(config: ml_collections.ConfigDict) -> dynamic_scale.DynamicScale | None:

@@ -261,11 +261,11 @@ def write_report(workdir: str, out: str | None = None) -> list[str]:
   return paths
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdir")
   parser.add_argument("--out", default=None, help="output folder (default WORKDIR/report)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   try:
     paths = write_report(args.workdir, args.out)
   except FileNotFoundError as e:

@@ -1,7 +1,8 @@
 """The jitted ``shard_map`` train step (DESIGN.md §3), as five named phases.
 
   k = fold_in(rng, step)
-  1. gradients:  l_i, g_i, beta_i' = value_and_grad(loss)(theta_i, beta_i, x_i)    (pmean over "data")
+  1. gradients:  l_i, g_i, beta_i' = value_and_grad(loss)(theta_i, beta_i, x_i)    (pmean over "data";
+                 grad_accum_steps k: the mean over k micro-batches of x_i, one after another)
   2. reweigh:    log w_i <- rho log w_i - tau l_i, normalised over all particles   (one psum of the
                  per-particle numbers: ``Numbers``; weigh_on=common: l_i on common examples,
                  ess_target: tau_t adapted)
@@ -80,17 +81,60 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
     return aux, grads, proposed
 
   shared = jax.tree.map(lambda x: lax.pcast(x, (PARTICLE,), to="varying"), state.shared_params)
-  keys = particle_keys(jax.random.fold_in(key, 2), state.log_weights.shape[0]) if task.rngs else None
+  num_local = state.log_weights.shape[0]
   run = over_particles(grad_fn, spec.particle_loop, (0, None, 0, 0, 0 if task.rngs else None))
-  (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, state.batch_stats, batch, keys)
+
+  def micro_step(batch_stats, micro_batch, m):
+    micro_key = jax.random.fold_in(key, 2) if spec.accum_steps == 1 else jax.random.fold_in(
+        jax.random.fold_in(key, 2), m)
+    keys = particle_keys(micro_key, num_local) if task.rngs else None
+    (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, batch_stats, micro_batch, keys)
+    return loss, batch_stats, grads, shared_grads, proposed
+
+  if spec.accum_steps == 1:
+    loss, batch_stats, grads, shared_grads, proposed = micro_step(state.batch_stats, batch, 0)
+  else:
+    loss, batch_stats, grads, shared_grads, proposed = accumulate(micro_step, spec.accum_steps, state.batch_stats,
+                                                                  batch)
   loss_finite = jnp.isfinite(loss)
   alive = loss_finite & _all_finite((grads, shared_grads))
   score = None
   if spec.weigh_on == "common":
+    keys = particle_keys(jax.random.fold_in(key, 2), num_local) if task.rngs else None
     score = common_score(task, spec, state, shared, batch, keys)
     alive &= jnp.isfinite(score)
   grads, shared_grads = jax.tree.map(lambda g: jnp.where(per_particle(alive, g), g, 0), (grads, shared_grads))
   return Gradients(loss, grads, shared_grads, batch_stats, alive, loss_finite, proposed, score)
+
+
+def micro_batches(batch: dict, k: int) -> dict:
+  """``[L, b, ...]`` leaves to ``[k, L, b / k, ...]``: micro-batch ``m`` holds examples ``m, m + k, ...`` of
+  every particle's part of the shard, so a particle's micro-batches do not depend on the mesh."""
+  return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[:1] + (x.shape[1] // k, k) + x.shape[2:]), 2, 0),
+                      batch)
+
+
+def accumulate(micro_step: Callable, k: int, batch_stats, batch: dict):
+  """Gradient accumulation inside the step: ``micro_step`` on each of ``k`` micro-batches in turn (a ``scan``;
+  BatchNorm statistics carried from one to the next), then the mean loss and mean gradients, as one
+  step on the whole batch would give without BatchNorm. float16: every micro-batch proposes the next
+  loss scale from the same one; the smallest proposal (an overflow anywhere halves it) is kept."""
+  micro = micro_batches(batch, k)
+  first = micro_step(batch_stats, jax.tree.map(lambda x: x[0], micro), 0)
+
+  def body(carry, xs):
+    loss, stats, grads, shared_grads, proposed = carry
+    m_loss, stats, m_grads, m_shared, m_proposed = micro_step(stats, xs[0], xs[1])
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)
+    if proposed is not None:
+      proposed = proposed.replace(scale=jnp.minimum(proposed.scale, m_proposed.scale),
+                                  fin_steps=jnp.minimum(proposed.fin_steps, m_proposed.fin_steps))
+    return (loss + m_loss, stats, add(grads, m_grads), add(shared_grads, m_shared), proposed), None
+
+  rest = (jax.tree.map(lambda x: x[1:], micro), jnp.arange(1, k))
+  (loss, stats, grads, shared_grads, proposed), _ = lax.scan(body, first, rest)
+  mean = lambda tree: jax.tree.map(lambda x: x / k, tree)
+  return loss / k, stats, mean(grads), mean(shared_grads), proposed
 
 
 def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, batch: dict, keys):

@@ -23,6 +23,7 @@ from ipf_jax import fusion
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
 from ipf_jax import models
+from ipf_jax import optim
 from ipf_jax import preemption
 from ipf_jax import summary
 from ipf_jax import workdir as workdir_lib
@@ -132,7 +133,7 @@ class _Run:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True,
-               task: Optional[Task] = None, data=None):
+               task: Optional[Task] = None, data=None, check_only: bool = False):
     setup_devices(config)
     configuration.validate(config, jax.device_count())
     self.config, self.workdir, self.lock = config, workdir, None
@@ -165,7 +166,9 @@ class _Run:
     self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch or 1)
     self.spec, self.mesh, self.total, self.lr_fn = (self.parts.spec, self.parts.mesh, self.parts.total_steps,
                                                     self.parts.lr_fn)
-    if for_training:
+    if check_only:
+      workdir_lib.check(workdir) if for_training else workdir_lib.require_existing(workdir, "--eval_only")
+    elif for_training:
       workdir_lib.prepare(workdir)
       if jax.process_index() == 0:
         self.lock = workdir_lib.Lock(workdir)
@@ -283,6 +286,32 @@ class _Run:
     if self.lock is not None:
       self.lock.release()
       self.lock = None
+
+
+def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool = False,
+              task: Optional[Task] = None, data=None) -> str:
+  """``train.py --dry_run``: every check a run makes before it trains (config, devices, data, workdir) and
+  the plan, in words. Creates, compiles and writes nothing; raises the error the run would raise."""
+  run = _Run(config, workdir, for_training=not eval_only, task=task, data=data, check_only=True)
+  steps = checkpoint_lib.Checkpointer(workdir, read_only=True).steps()
+  epoch = f" ({run.total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" \
+      if run.steps_per_epoch else ""
+  if eval_only:
+    action = (f"evaluate the checkpoint of step {steps[-1]}" if steps else
+              f"nothing to evaluate: no checkpoint in {workdir}")
+  elif not steps:
+    action = f"train {run.total} steps{epoch} from the start"
+  elif steps[-1] >= run.total:
+    action = f"only evaluate: the checkpoint of step {steps[-1]} is the end of the run"
+  else:
+    action = f"resume at step {steps[-1]} of {run.total}{epoch} (if that checkpoint fits this config)"
+  accum = (f" as {config.grad_accum_steps} micro-batches of {config.global_batch_size // config.grad_accum_steps}"
+           if config.grad_accum_steps > 1 else "")
+  warmup = optim.train_steps(config, run.steps_per_epoch or 1)[1]
+  return (f"dry run: config, devices, data and --workdir {workdir} checked. Data {run.dataset.name!r}: "
+          f"{run.dataset.train_size} train / {run.dataset.test_size} test examples; {config.global_batch_size} per "
+          f"step{accum}; learning rate peaks at {float(run.lr_fn(warmup)):.4g}. It would {action}. Nothing was "
+          "written.")
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None,
@@ -435,7 +464,7 @@ def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupt
         now = time.perf_counter()
         rate = (done - last_step) / (now - t_last)
         for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
-          writer.train_step(k, mk, float(run.lr_fn(k // config.grad_accum_steps)))
+          writer.train_step(k, mk, float(run.lr_fn(k)))
         _log_progress(run, state, fetched[-1], writer, done, start, rate, skipped)
         t_last, last_step = now, done
       stop, save_now = control.at_step(done, log_step)
@@ -513,4 +542,4 @@ def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: floa
            "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, epoch, loss,
            float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
            spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
-           float(run.lr_fn(done // config.grad_accum_steps)), rate, _fmt_time(eta))
+           float(run.lr_fn(done)), rate, _fmt_time(eta))

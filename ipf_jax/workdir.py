@@ -36,6 +36,23 @@ def prepare(workdir: str) -> None:
                        "another --workdir")
 
 
+def check(workdir: str) -> str:
+  """``prepare``'s checks without creating anything: ``"new"`` or ``"existing"``."""
+  if os.path.exists(workdir):
+    if not os.path.isdir(workdir) or not os.access(workdir, os.W_OK | os.X_OK):
+      raise WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose "
+                         "another --workdir")
+    return "existing"
+  parent = os.path.dirname(os.path.abspath(workdir))
+  if not os.path.isdir(parent):
+    raise WorkdirError(f"--workdir {workdir}: the parent directory {parent} does not exist; create it first "
+                       "or choose another --workdir")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise WorkdirError(f"--workdir {workdir}: cannot be created in {parent} (not writable); choose a writable "
+                       "location")
+  return "new"
+
+
 def require_existing(workdir: str, what: str) -> None:
   """For readers: ``workdir`` must already hold a run (nothing is created)."""
   if not os.path.isdir(workdir):

@@ -99,16 +99,24 @@ def load_checkpoint_numpy(path):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def train_py_argv(workdir, *flags):
+# train.py runs in the tests use a smaller CNN than the digits config's (32, 64, 128): 2.5x faster on 2 cores,
+# and still 90% on digits after 60 steps. Tests of how well the config itself trains pass full_model=True.
+TEST_FEATURES = (8, 16, 32)
+TEST_CNN = f"--config.cnn_features=({','.join(map(str, TEST_FEATURES))})"
+
+
+def train_py_argv(workdir, *flags, full_model=False):
   import sys
-  return [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir), *flags]
+  small = [] if full_model or any(f.startswith("--config.cnn_features") for f in flags) else [TEST_CNN]
+  return [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir), *small, *flags]
 
 
-def run_train_py(workdir, *flags, env=None, timeout=600, **kwargs):
-  """``python train.py --config configs/digits.py --workdir WORKDIR FLAGS`` as a user runs it."""
+def run_train_py(workdir, *flags, env=None, timeout=600, full_model=False, **kwargs):
+  """``python train.py --config configs/digits.py --workdir WORKDIR FLAGS`` as a user runs it (``TEST_CNN``
+  unless ``full_model``)."""
   import os
   import subprocess
-  return subprocess.run(train_py_argv(workdir, *flags), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu",
+  return subprocess.run(train_py_argv(workdir, *flags, full_model=full_model), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu",
                                                                            **(env or {})),
                         capture_output=True, text=True, timeout=timeout, **kwargs)
 

@@ -84,6 +84,7 @@ class Reference:
                shared_opt_state=None, shared_pattern="", loss_scale=None, growth_interval=2000,
                minimum_scale=1.0):
     self.spec = spec
+    self.accum_steps = spec.accum_steps
     self.tx = tx
     self.rng = rng
     p = spec.num_particles
@@ -118,6 +119,18 @@ class Reference:
     self._grad = scaled_grad
     self._update = jax.jit(tx.update)
 
+  def _accumulated_grad(self, params, batch_stats, images, labels):
+    """Gradient accumulation written out: micro-batch m is examples m, m + k, ... of the particle's batch,
+    run one after another (BatchNorm statistics carried); the loss and gradient are their means."""
+    k = self.accum_steps
+    losses, grads = [], []
+    for m in range(k):
+      (loss, batch_stats), g = self._grad(params, batch_stats, images[m::k], labels[m::k])
+      losses.append(float(loss))
+      grads.append(g)
+    mean = jax.tree.map(lambda *gs: sum(np.asarray(x, np.float64) for x in gs) / k, *grads)
+    return (float(np.mean(losses)), batch_stats), jax.tree.map(lambda x: x.astype(np.float32), mean)
+
   def train_step(self, images, labels):
     """One step on ``images[i]`` for particle ``i``; returns a record of what happened."""
     s = self.spec
@@ -126,7 +139,8 @@ class Reference:
     losses, grads, stats, alive = [], [], [], []
     shared_grads = []
     for i in range(p):
-      (loss, bs), g = self._grad(_merge(self.params[i], self.shared), self.batch_stats[i], images[i], labels[i])
+      (loss, bs), g = self._accumulated_grad(_merge(self.params[i], self.shared), self.batch_stats[i], images[i],
+                                             labels[i])
       g, g_shared = _split(g, self.pattern)
       shared_grads.append(g_shared)
       ok = bool(np.isfinite(loss)) and _finite(g)

@@ -37,7 +37,7 @@ def test_memory_benchmark_tiny():
 
 
 def test_precision_benchmark_tiny():
-  s = run_module("benchmarks.precision_digits", "--seeds", "1", "--steps", "10", devices=8)
+  s = run_module("benchmarks.precision_digits", "--seeds", "1", "--steps", "6", "--cnn_features", "4,8", devices=8)
   rows = s["results"]
   assert set(rows) == {"float32", "bfloat16", "float16, dynamic loss scale (default)", "float16, scale 1"}
   assert rows["float16, scale 1"]["final_loss_scale"] == 1.0 and "final_loss_scale" not in rows["float32"]
@@ -45,6 +45,7 @@ def test_precision_benchmark_tiny():
 
 
 def test_fused_bn_benchmark_tiny():
-  s = run_module("benchmarks.fused_bn_digits", "--seeds", "1", "--steps", "10", "--batches", "2", devices=8)
+  s = run_module("benchmarks.fused_bn_digits", "--seeds", "1", "--steps", "6", "--batches", "2", "--cnn_features",
+                 "4,8", devices=8)
   assert len(s["results"]) == 3
   assert all(0 <= r["fused_bn_acc"] <= 1 and r["fused_bn_nll"] > 0 for r in s["results"].values())

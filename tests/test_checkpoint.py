@@ -3,7 +3,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -34,7 +33,7 @@ def assert_same_state(a, b):
 
 def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(tmp_path), *FLAGS]
+  cmd = helpers.train_py_argv(tmp_path, *FLAGS)
   proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   try:

@@ -54,6 +54,9 @@ def cfg(**kw):
     (dict(warmup_epochs=-1.0), 8, "warmup_epochs", ">= 0"),
     (dict(label_smoothing=1.0), 8, "label_smoothing", "[0, 1)"),
     (dict(grad_accum_steps=0), 8, "grad_accum_steps", ">= 1"),
+    # 128 / (8 particles x 1) = 16 examples per particle and data shard: 3 micro-batches do not divide them
+    (dict(grad_accum_steps=3), 8, "grad_accum_steps", "use a divisor of 16 such as 2, or a global_batch_size "
+                                                      "that is a multiple of 24"),
     (dict(image_size=4), 8, "image_size", ">= 8"),
     (dict(shuffle_buffer=0), 8, "shuffle_buffer", ">= 1"),
     (dict(train_fraction=0.0), 8, "train_fraction", "(0, 1]"),

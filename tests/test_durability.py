@@ -84,6 +84,7 @@ def small_config(**kw):
   config = digits.get_config()
   config.num_train_steps, config.log_every_steps, config.checkpoint_every_steps = 12, 1, 5
   config.eval_batch_size = 150
+  config.cnn_features = helpers.TEST_FEATURES  # as helpers.run_train_py: the tests resume each other's runs
   for k, v in kw.items():
     config[k] = v
   return config
@@ -198,10 +199,10 @@ def test_config_change_stops_naming_the_field_and_touches_nothing(uninterrupted,
   before = listing(workdir)
   r = helpers.run_train_py(workdir, *FLAGS, "--config.cnn_features=(16,64,128)")
   assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-  assert ("does not fit this run's state: params/BatchNorm_0/bias is (8, 32) float32 there and (8, 16) float32 "
+  assert ("does not fit this run's state: params/BatchNorm_0/bias is (8, 8) float32 there and (8, 16) float32 "
           "here") in r.stderr
-  assert "It was written with config.cnn_features=[32, 64, 128]; this run has config.cnn_features=[16, 64, 128]" \
-      in r.stderr and "--config.cnn_features=(32,64,128)" in r.stderr
+  assert "It was written with config.cnn_features=[8, 16, 32]; this run has config.cnn_features=[16, 64, 128]" \
+      in r.stderr and "--config.cnn_features=(8,16,32)" in r.stderr
   assert listing(workdir) == before, "nothing is renamed, replaced or overwritten (config.json included)"
 
 
@@ -330,7 +331,7 @@ def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
       signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
       resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
   try:
-    r = helpers.run_train_py(workdir, *flags, preexec_fn=preexec)
+    r = helpers.run_train_py(workdir, *flags, preexec_fn=preexec, full_model=True)  # checkpoints of the sizes above
   finally:
     if limit == "tmpfs":
       saved = sorted(os.listdir(workdir / "checkpoints"))

@@ -9,6 +9,7 @@ import pytest
 from configs import digits
 from ipf_jax import trainer
 from ipf_jax import workdir as workdir_lib
+from tests import helpers
 
 
 def config(**kw):
@@ -17,6 +18,7 @@ def config(**kw):
   c.log_every_steps = 1
   c.checkpoint_every_steps = 5
   c.async_checkpointing = False
+  c.cnn_features = helpers.TEST_FEATURES
   for k, v in kw.items():
     c[k] = v
   return c

@@ -3,7 +3,6 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -18,9 +17,8 @@ FLAGS = ("--config.num_particles=4", "--config.particle_axis_size=2", "--config.
 
 
 def run_two_hosts(workdir, steps):
-  return helpers.run_processes([sys.executable, "train.py", "--config", "configs/digits.py", "--workdir",
-                                str(workdir), *FLAGS, f"--config.num_train_steps={steps}",
-                                "--config.num_cpu_devices=2"], 2)
+  return helpers.run_processes(helpers.train_py_argv(workdir, *FLAGS, f"--config.num_train_steps={steps}",
+                                                     "--config.num_cpu_devices=2"), 2)
 
 
 def run_one_host(workdir, steps, devices):
@@ -87,8 +85,7 @@ def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterru
   exit 143; the resumed run ends bit for bit where the uninterrupted one does."""
   import signal
   _, _, reference, out_reference = runs
-  argv = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(tmp_path), *FLAGS,
-          f"--config.num_train_steps={STEPS}", "--config.num_cpu_devices=2"]
+  argv = helpers.train_py_argv(tmp_path, *FLAGS, f"--config.num_train_steps={STEPS}", "--config.num_cpu_devices=2")
   procs = helpers.start_processes(argv, 2)
   assert procs[0].wait_for(f"step 2/{STEPS}") is not None
   procs[1].signal(signal.SIGTERM)
@@ -119,8 +116,8 @@ def test_a_peer_that_never_starts_ends_the_run_with_one_line(tmp_path):
 def test_a_dead_peer_ends_the_survivor_within_a_minute(tmp_path):
   import signal
   import time
-  argv = [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(tmp_path), *FLAGS,
-          "--config.num_train_steps=2000", "--config.num_cpu_devices=2", "--peer_timeout=20"]
+  argv = helpers.train_py_argv(tmp_path, *FLAGS, "--config.num_train_steps=2000", "--config.num_cpu_devices=2",
+                               "--peer_timeout=20")
   procs = helpers.start_processes(argv, 2)
   try:
     assert procs[0].wait_for("step 5/2000") is not None

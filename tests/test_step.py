@@ -1,6 +1,7 @@
 """The SPMD train step against the plain reference (tests/reference.py) on several meshes."""
 import jax
 import numpy as np
+import optax
 import pytest
 
 from tests import helpers
@@ -88,6 +89,21 @@ def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
   assert [r["resampled"] for r in refr] == [False, True, False, True]
   # correction=1 with base_lr 0.5 for 4 steps: float32 reduction-order noise reaches ~2e-5 on small weights.
   assert_same_run(s, ref, spmd, refr, atol=4e-5)
+
+
+@pytest.mark.parametrize("dp,dd,p,k,loop", [(4, 2, 8, 2, "vmap"), (8, 1, 8, 4, "map")])
+def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop):
+  """grad_accum_steps=k: each step runs k micro-batches (examples m, m + k, ... of a particle's batch) and
+  then one reweighing, correction, update, elastic pull and resampling decision; resample_every counts
+  updates. Against the reference's loop over micro-batches, on two meshes."""
+  config = helpers.tiny_config(num_particles=p, grad_accum_steps=k, temperature=2.0, forgetting=0.8,
+                               correction=0.5, elastic_pull=0.2, ess_threshold=0.0, resample_every=2,
+                               particle_loop=loop)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  assert [r["resampled"] for r in refr] == [False, True, False, True]
+  assert_same_run(s, ref, spmd, refr)
+  out = s.host_state()
+  assert int(out.step) == 4 and not isinstance(out.opt_state, optax.MultiStepsState), "no accumulator is kept"
 
 
 @pytest.mark.parametrize("dp,dd,p,alpha", [(4, 2, 8, 0.2), (8, 1, 16, 0.2), (1, 8, 2, 0.2), (2, 4, 4, 1.0)])
@@ -178,16 +194,21 @@ FP16_TOL = {"rtol": 1e-2, "atol": 2e-3}
 
 
 @pytest.mark.full_optimisation
-@pytest.mark.parametrize("dp,dd,p,loop", [(4, 2, 8, "vmap"), (8, 1, 8, "unroll"), (4, 2, 4, "map")])
-def test_float16_loss_scaling_matches_reference(dp, dd, p, loop):
+@pytest.mark.parametrize("dp,dd,p,loop,k", [(4, 2, 8, "vmap", 1), (8, 1, 8, "unroll", 1), (4, 2, 4, "map", 2)])
+def test_float16_loss_scaling_matches_reference(dp, dd, p, loop, k):
   """One particle's gradient overflows: every particle skips, one scale halves, until it fits; then
-  the scale grows again after finite steps, and a particle that diverges later is culled and replaced."""
+  the scale grows again after finite steps, and a particle that diverges later is culled and replaced.
+  With k = 2 micro-batches an overflow in either halves the scale once."""
   config = helpers.tiny_config(num_particles=p, dtype="float16", loss_scale_init=2.0 ** 15,
-                               loss_scale_growth_interval=2, temperature=1.0, ess_threshold=0.3, particle_loop=loop)
+                               loss_scale_growth_interval=2, temperature=1.0, ess_threshold=0.3, particle_loop=loop,
+                               grad_accum_steps=k)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=12, edit=_magnify_head(3000.0, 3))
   assert_same_run(s, ref, spmd, refr, **FP16_TOL)
   overflows = [bool(m["overflow"]) for m in spmd]
   scales = [float(m["loss_scale"]) for m in spmd]
+  if k > 1:  # micro-batches of 2 examples overflow at other scales: the reference decides, as above
+    assert overflows[0] and not overflows[-1] and scales[-1] < scales[0]
+    return
   assert overflows[:8] == [True] * 8 and not any(overflows[8:])  # 2^15 -> 2^7, one halving per step
   assert scales[:9] == [2.0 ** (15 - k) for k in range(9)] and max(scales[9:]) > scales[8]  # and grows again
   assert all(m["alive"].all() for m in spmd[:8]) and int(s.host_state().num_skipped) == 0  # nobody culled

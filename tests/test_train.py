@@ -7,7 +7,8 @@ from tests.helpers import run_train_py as run_train
 
 def test_train_py_digits_smoke(tmp_path):
   r = run_train(tmp_path, "--config.num_train_steps=20", "--config.log_every_steps=10",
-                "--config.eval_shifts=contrast", "--config.ood_dataset=photos", "--config.calibration_fraction=0.1")
+                "--config.eval_shifts=contrast", "--config.ood_dataset=photos", "--config.calibration_fraction=0.1",
+                full_model=True)
   assert r.returncode == 0, r.stdout + r.stderr
   out = r.stdout
   assert "mesh (particle, data)=(8, 1) on 8 cpu device(s)" in out
@@ -36,9 +37,11 @@ def test_train_py_digits_smoke(tmp_path):
   assert pictures[-2:] == ["calibration.png", "shifts.png"]
 
 
-def test_train_py_ddp_override(tmp_path):
-  r = run_train(tmp_path, "--config.num_particles=1", "--config.num_train_steps=10", "--config.log_every_steps=5")
+def test_train_py_ddp_mode_trains_one_model(tmp_path):
+  """README's Modes table: ``--config.mode=ddp`` alone (the config has 8 particles) trains one model."""
+  r = run_train(tmp_path, "--config.mode=ddp", "--config.num_train_steps=10", "--config.log_every_steps=5")
   assert r.returncode == 0, r.stdout + r.stderr
+  assert "mode=ddp trains one model: num_particles=1 (the config's 8" in r.stdout
   assert "particles=1  mesh (particle, data)=(1, 8)" in r.stdout
   assert "particle 0" in r.stdout and "particle 1 " not in r.stdout
 
@@ -47,7 +50,7 @@ def test_train_py_float16_with_loss_scaling(tmp_path):
   """float16 from a scale that overflows at first: the run backs off, skips those steps without
   calling them failures, and still learns; the scale is in the progress line and TensorBoard."""
   r = run_train(tmp_path, "--config.dtype=float16", "--config.loss_scale_init=1099511627776.0",
-                "--config.num_train_steps=60", "--config.log_every_steps=30")
+                "--config.num_train_steps=60", "--config.log_every_steps=30", full_model=True)
   assert r.returncode == 0, r.stdout + r.stderr
   line = next(x for x in r.stdout.splitlines() if "step 60/60" in x)
   overflows = int(line.split("overflows ")[1].split(")")[0])

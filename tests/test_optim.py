@@ -1,0 +1,79 @@
+"""The learning-rate rules, the schedule and gradient clipping against values computed by hand."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ipf_jax import optim
+from tests import helpers
+
+
+@pytest.mark.parametrize("rule,expected", [("none", 1.0), ("linear", 2.0), ("sqrt", math.sqrt(2.0)),
+                                           ("seed", math.sqrt(4 * 8))])
+def test_lr_scaling_rules(rule, expected):
+  """G = 512 against reference 256 on 4 devices with P = 8: base_lr 0.1 peaks at 0.1 x scale."""
+  config = helpers.tiny_config(lr_scaling=rule, global_batch_size=512, reference_batch_size=256, num_devices=4,
+                               num_particles=8, base_lr=0.1, warmup_steps=10, num_train_steps=110)
+  assert optim.lr_scale(rule, 512, 256, devices=4, num_particles=8) == pytest.approx(expected)
+  lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
+  assert float(lr(10)) == pytest.approx(0.1 * expected, rel=1e-6)
+
+
+def test_schedule_is_linear_warmup_then_cosine_to_zero():
+  config = helpers.tiny_config(lr_scaling="none", base_lr=0.4, warmup_steps=10, num_train_steps=110)
+  lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
+  hand = lambda k: 0.4 * k / 10 if k < 10 else 0.2 * (1 + math.cos(math.pi * (k - 10) / 100))
+  for k in (0, 5, 10, 35, 60, 109, 110):
+    assert float(lr(k)) == pytest.approx(hand(k), abs=1e-7), f"step {k}"
+
+
+def test_epochs_set_steps_and_warmup():
+  config = helpers.tiny_config(num_epochs=2.5, warmup_epochs=0.5)
+  assert optim.train_steps(config, 40) == (100, 20)
+
+
+def test_accumulation_does_not_change_the_learning_rate():
+  """grad_accum_steps splits each step's batch: the step, its batch G and its learning rate stay."""
+  lrs = []
+  for k in (1, 4):
+    config = helpers.tiny_config(lr_scaling="linear", global_batch_size=512, reference_batch_size=256,
+                                 base_lr=0.1, warmup_steps=10, num_train_steps=110, grad_accum_steps=k)
+    lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
+    lrs.append([float(lr(s)) for s in (5, 10, 60)])
+  np.testing.assert_allclose(lrs[0], lrs[1])
+  assert lrs[0][1] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("clip,norm", [(1.0, 5.0), (10.0, 5.0)])
+def test_grad_clip_norm_by_hand(clip, norm):
+  """Plain SGD (no momentum, no decay): the update is -lr x g x min(1, clip / |g|), |g| over all leaves."""
+  config = helpers.tiny_config(grad_clip_norm=clip, momentum=0.0, weight_decay=0.0)
+  tx = optim.create_optimizer(config, lambda step: 0.5)
+  grads = {"a": jnp.array([3.0, 0.0]), "b": {"kernel": jnp.array([[0.0], [4.0]])}}  # global norm 5
+  params = {"a": jnp.zeros(2), "b": {"kernel": jnp.zeros((2, 1))}}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  factor = min(1.0, clip / norm)
+  np.testing.assert_allclose(updates["a"], -0.5 * factor * np.array([3.0, 0.0]), rtol=1e-6)
+  np.testing.assert_allclose(updates["b"]["kernel"], -0.5 * factor * np.array([[0.0], [4.0]]), rtol=1e-6)
+
+
+def test_weight_decay_on_kernels_only_and_nesterov_momentum_by_hand():
+  """Two steps of SGD with Nesterov momentum mu and decoupled decay wd on ndim > 1 leaves only."""
+  lr, mu, wd = 0.1, 0.9, 0.01
+  config = helpers.tiny_config(momentum=mu, nesterov=True, weight_decay=wd)
+  tx = optim.create_optimizer(config, lambda step: lr)
+  params = {"bias": jnp.array([1.0, -1.0]), "kernel": jnp.array([[2.0], [0.5]])}
+  grads = {"bias": jnp.array([0.5, 0.25]), "kernel": jnp.array([[1.0], [-1.0]])}
+  state = tx.init(params)
+  hand_p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  velocity = {k: np.zeros_like(v) for k, v in hand_p.items()}
+  for _ in range(2):
+    updates, state = tx.update(grads, state, params)
+    params = {k: params[k] + updates[k] for k in params}
+    for k in hand_p:
+      d = np.asarray(grads[k], np.float64) + (wd * hand_p[k] if k == "kernel" else 0.0)
+      velocity[k] = mu * velocity[k] + d
+      hand_p[k] = hand_p[k] - lr * (d + mu * velocity[k])
+  for k in hand_p:
+    np.testing.assert_allclose(params[k], hand_p[k], rtol=1e-6)

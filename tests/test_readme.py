@@ -1,0 +1,146 @@
+"""Every command the README shows, run as a new user would type it (tests read README.md, so a command
+that stops working, or a new one nobody checked, fails here).
+
+In the README's order, from a fresh directory holding the checkout's ``configs/`` and an empty ``runs/``:
+- ``python train.py ...``: train.py's own flag parser (``cli.parse_flags`` on fresh flags), then every check
+  a run makes before training (``--dry_run``: config, devices, data, workdir; nothing compiled). A workdir
+  that a later command reads (``--eval_only``, ``ipf_jax.report``, ``tensorboard``) is trained for real, for
+  a few steps. Commands with the placeholder ``/path/to/tfds`` must fail only on the unprepared TFDS data.
+- The Modes table: each row's flags as a ``python train.py`` command (default config).
+- ``python -m ipf_jax.report``: run; ``tensorboard --logdir``: the run's event files exist;
+  ``examples/*.py``: their argument parsers take the flags (tests/test_examples.py runs them);
+  ``python -m pydoc``/``benchmarks.*``: the module imports; ``pip install -r FILE``: the file exists;
+  ``python -m pytest ...``: the command ``.ci/run`` runs.
+"""
+import contextlib
+import importlib
+import io
+import os
+import re
+import shlex
+import sys
+
+import pytest
+from absl import flags
+
+from ipf_jax import cli
+from ipf_jax import trainer
+from ipf_jax.data.errors import DataError
+from tests import helpers
+
+README = os.path.join(helpers.ROOT, "README.md")
+sys.path.insert(0, os.path.join(helpers.ROOT, "examples"))
+# A real run is short and small: these commands are checked for working, not for how well they train.
+REAL_STEPS = ["--config.num_train_steps=4", "--config.log_every_steps=2", "--config.cnn_features=(4,8)"]
+PLACEHOLDER = "/path/to/"
+
+
+def readme_commands(text):
+  """``(where, tokens)`` of every command: bash blocks (``\\`` joined, ``#`` comments and ``&&`` split), the
+  Modes table's flags and inline spans starting with ``python `` or ``pip ``."""
+  found = []
+  for block in re.finditer(r"```bash\n(.*?)```", text, re.S):
+    for line in block.group(1).replace("\\\n", " ").splitlines():
+      tokens = shlex.split(line, comments=True)
+      while tokens:
+        cut = tokens.index("&&") if "&&" in tokens else len(tokens)
+        found.append((f"README line {text[:block.start()].count(chr(10)) + 1}", tokens[:cut]))
+        tokens = tokens[cut + 1:]
+  modes = text[text.index("## Modes"):]
+  for row in modes[:modes.index("\n\n", modes.index("|"))].splitlines()[2:]:
+    for span in re.findall(r"`(--config\.[^`]+)`", row.split("|")[2]):
+      found.append((f"Modes table, {row.split('|')[1].strip()}", ["python", "train.py", *shlex.split(span)]))
+  for span in re.findall(r"`((?:python|pip) [^`]+)`", text):
+    found.append(("inline", shlex.split(span)))
+  return found
+
+
+def train_flags(tokens):
+  fv = flags.FlagValues()
+  argv = ["train.py", *tokens[2:]]
+  cli.define_flags(fv, argv)
+  cli.parse_flags(argv, fv)
+  return fv
+
+
+def run_train_command(tokens, real: bool):
+  fv = train_flags(tokens + (REAL_STEPS if real else []))
+  if real:
+    return trainer.train_and_evaluate(fv.config, fv.workdir)
+  try:
+    return trainer.check_run(fv.config, fv.workdir, eval_only=fv.eval_only)
+  except DataError as e:
+    assert any(PLACEHOLDER in t for t in tokens), f"{' '.join(tokens)}: {e}"
+    assert "is not prepared" in str(e) and "tfds build" in str(e), str(e)
+    return str(e)
+
+
+def _workdir(tokens):
+  if tokens[:2] == ["python", "train.py"]:
+    return train_flags(tokens).workdir
+  reads = tokens[:3] in (["python", "-m", "ipf_jax.report"], ["tensorboard", "--logdir"]) and len(tokens) > 3 or \
+      tokens[:2] == ["tensorboard", "--logdir"]
+  return tokens[-1] if reads else None
+
+
+def test_readme_claims_the_example_length():
+  text = open(README).read()
+  claimed = int(re.search(r"`examples/custom_model.py`, (\d+) lines", text).group(1))
+  assert claimed == len(open(os.path.join(helpers.ROOT, "examples", "custom_model.py")).read().splitlines())
+
+
+def test_every_readme_command_works_as_written(tmp_path, monkeypatch):
+  commands = readme_commands(open(README).read())
+  assert len(commands) >= 15, commands
+  monkeypatch.chdir(tmp_path)
+  os.symlink(os.path.join(helpers.ROOT, "configs"), "configs")
+  os.mkdir("runs")  # as in the checkout
+  readers = set()
+  for _, tokens in commands:  # workdirs that a later command reads are trained for real
+    if tokens[:2] != ["python", "train.py"] or "--eval_only" in tokens:
+      readers.add(_workdir(tokens))
+  trained, seen = set(), []
+  for where, tokens in commands:
+    what = f"{where}: {' '.join(tokens)}"
+    seen.append(what)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      if tokens[:2] == ["python", "train.py"]:
+        workdir = _workdir(tokens)
+        real = workdir in readers and workdir not in trained and "--eval_only" not in tokens
+        result = run_train_command(tokens, real)
+        if real:
+          trained.add(workdir)
+          assert 0 <= result["ensemble"]["accuracy"] <= 1, what  # 4 steps: it ran, not how well
+        else:
+          assert result.startswith("dry run") or PLACEHOLDER in " ".join(tokens), (what, result)
+      elif tokens[:3] == ["python", "-m", "ipf_jax.report"] and len(tokens) > 3:
+        from ipf_jax import report
+        assert tokens[3] in trained, what
+        report.main(tokens[3:])
+        assert os.path.isfile(os.path.join(tokens[3], "report", "weights.png")), what
+      elif tokens[:2] == ["tensorboard", "--logdir"]:
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(tokens[2])), what
+      elif tokens[:2] == ["python", "-m"] and tokens[2] == "pytest":
+        ci = open(os.path.join(helpers.ROOT, ".ci", "run")).read()
+        assert " ".join(tokens) in ci, f"{what} is not what .ci/run runs"
+      elif tokens[:2] == ["python", "-m"]:
+        module = importlib.import_module(tokens[-1] if tokens[2] == "pydoc" else tokens[2])
+        if tokens[2] == "pydoc":
+          import pydoc
+          assert "train_and_evaluate" in pydoc.render_doc(module), what
+        else:
+          assert callable(getattr(module, "main", None)), what
+      elif tokens[0] == "python" and tokens[1].startswith("examples/"):
+        module = importlib.import_module(os.path.basename(tokens[1])[:-3])
+        args = module.parse_args(tokens[2:])
+        assert args.workdir == tokens[tokens.index("--workdir") + 1], what
+      elif tokens[:2] == ["pip", "install"]:
+        for i, t in enumerate(tokens):
+          if t == "-r":
+            assert os.path.isfile(os.path.join(helpers.ROOT, tokens[i + 1])), what
+        assert "-r" in tokens or tokens[2] in (".", "-e"), what
+      else:
+        pytest.fail(f"{what}: this test does not know how to run it; teach tests/test_readme.py")
+  assert readers <= trained | {None}, (readers, trained)
+  assert any("Modes table, DDP" in s and "mode=ddp" in s for s in seen), seen
