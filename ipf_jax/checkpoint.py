@@ -388,6 +388,22 @@ class Checkpointer:
         "over. If the files can be recovered, restore them and run again; to start a new run instead, use a new "
         f"--workdir (or move {self.directory} away).")
 
+  def check_latest(self, abstract_state, config: ml_collections.ConfigDict,
+                   shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None) -> Optional[int]:
+    """``--dry_run``: the step ``restore_latest`` would resume from, after the same compatibility check,
+    from the checkpoints' metadata only (nothing restored, moved or written); ``None``: no checkpoint."""
+    current = signature(abstract_state)
+    for step in reversed(self.steps()):
+      meta, saved_or_why = self._read(step)
+      if meta is not None:
+        check_compatible(saved_or_why, meta["config"], current, config, str(self.directory / str(step)), shapes_for,
+                         meta.get("data"), self.data_name)
+        return step
+    if self.steps() or self.set_aside():
+      raise CheckpointError(f"no checkpoint in {self.directory} can be read: a run would stop here. Nothing was "
+                            "changed.")
+    return None
+
   def _restore(self, step: int, abstract_state):
     """``(state, None)``, or ``(None, reason)`` when the checkpoint's files cannot be read."""
     where = self.directory / str(step)

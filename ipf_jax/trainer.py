@@ -288,23 +288,35 @@ class _Run:
       self.lock = None
 
 
+def _no_checkpoint(ckpt) -> checkpoint_lib.CheckpointError:
+  return checkpoint_lib.CheckpointError(f"--eval_only: no checkpoint in {ckpt.directory}; train first with the same "
+                                        "--workdir")
+
+
 def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool = False,
               task: Optional[Task] = None, data=None) -> str:
   """``train.py --dry_run``: every check a run makes before it trains (config, devices, data, workdir) and
   the plan, in words. Creates, compiles and writes nothing; raises the error the run would raise."""
   run = _Run(config, workdir, for_training=not eval_only, task=task, data=data, check_only=True)
-  steps = checkpoint_lib.Checkpointer(workdir, read_only=True).steps()
+  ckpt = checkpoint_lib.Checkpointer(workdir, read_only=True, data_name=run.dataset.name)
+  if not eval_only:
+    workdir_lib.Lock(workdir).probe()
+    if config.checkpoint_every_steps < 0:
+      _refuse_to_overwrite(workdir)
+  reads = eval_only or config.checkpoint_every_steps >= 0  # checkpoint_every_steps=-1 never resumes
+  step = ckpt.check_latest(run.parts.abstract_state, config, shapes_for=run.state_signature) if reads else None
   epoch = f" ({run.total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" \
       if run.steps_per_epoch else ""
   if eval_only:
-    action = (f"evaluate the checkpoint of step {steps[-1]}" if steps else
-              f"nothing to evaluate: no checkpoint in {workdir}")
-  elif not steps:
+    if step is None:
+      raise _no_checkpoint(ckpt)
+    action = f"evaluate the checkpoint of step {step}"
+  elif step is None:
     action = f"train {run.total} steps{epoch} from the start"
-  elif steps[-1] >= run.total:
-    action = f"only evaluate: the checkpoint of step {steps[-1]} is the end of the run"
+  elif step >= run.total:
+    action = f"only evaluate: the checkpoint of step {step} is the end of the run"
   else:
-    action = f"resume at step {steps[-1]} of {run.total}{epoch} (if that checkpoint fits this config)"
+    action = f"resume at step {step} of {run.total}{epoch}"
   accum = (f" as {config.grad_accum_steps} micro-batches of {config.global_batch_size // config.grad_accum_steps}"
            if config.grad_accum_steps > 1 else "")
   warmup = optim.train_steps(config, run.steps_per_epoch or 1)[1]
@@ -326,8 +338,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: O
                                      data_name=run.dataset.name)
   state = run.restore(ckpt)
   if state is None:
-    raise checkpoint_lib.CheckpointError(f"--eval_only: no checkpoint in {ckpt.directory}; train first with the "
-                                         f"same --workdir")
+    raise _no_checkpoint(ckpt)
   return run.finish(state, suffix=f".step{int(state.step)}")
 
 

@@ -94,6 +94,21 @@ class Lock:
     f.flush()
     self._file = f
 
+  def probe(self) -> None:
+    """Raises the ``WorkdirError`` ``acquire`` would when another run holds the lock; creates nothing."""
+    if not os.path.exists(self.path):
+      return
+    with open(self.path) as f:
+      try:
+        fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+      except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+          raise WorkdirError(f"cannot lock {self.path} ({e.strerror})") from None
+        raise WorkdirError(f"--workdir {os.path.dirname(self.path)} is in use by another run "
+                           f"({f.read().strip() or 'an unknown process'}); wait for it to finish or stop it, or use "
+                           "another --workdir") from None
+      fcntl.flock(f, fcntl.LOCK_UN)
+
   def release(self) -> None:
     if self._file is not None:
       fcntl.flock(self._file, fcntl.LOCK_UN)

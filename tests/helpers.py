@@ -116,9 +116,9 @@ def run_train_py(workdir, *flags, env=None, timeout=600, full_model=False, **kwa
   unless ``full_model``)."""
   import os
   import subprocess
-  return subprocess.run(train_py_argv(workdir, *flags, full_model=full_model), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                                                           **(env or {})),
-                        capture_output=True, text=True, timeout=timeout, **kwargs)
+  return subprocess.run(train_py_argv(workdir, *flags, full_model=full_model), cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})), capture_output=True, text=True,
+                        timeout=timeout, **kwargs)
 
 
 class Running:

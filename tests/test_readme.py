@@ -63,8 +63,9 @@ def train_flags(tokens):
   return fv
 
 
-def run_train_command(tokens, real: bool):
-  fv = train_flags(tokens + (REAL_STEPS if real else []))
+def run_train_command(tokens, real: bool, small: bool):
+  """``real``: train (``REAL_STEPS``); ``small``: a dry run on a workdir trained for real (its smaller CNN)."""
+  fv = train_flags(tokens + (REAL_STEPS if real else REAL_STEPS[-1:] if small else []))
   if real:
     return trainer.train_and_evaluate(fv.config, fv.workdir)
   try:
@@ -78,8 +79,8 @@ def run_train_command(tokens, real: bool):
 def _workdir(tokens):
   if tokens[:2] == ["python", "train.py"]:
     return train_flags(tokens).workdir
-  reads = tokens[:3] in (["python", "-m", "ipf_jax.report"], ["tensorboard", "--logdir"]) and len(tokens) > 3 or \
-      tokens[:2] == ["tensorboard", "--logdir"]
+  reads = tokens[:3] == ["python", "-m", "ipf_jax.report"] and len(tokens) > 3 or tokens[:2] == ["tensorboard",
+                                                                                                  "--logdir"]
   return tokens[-1] if reads else None
 
 
@@ -108,7 +109,7 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch):
       if tokens[:2] == ["python", "train.py"]:
         workdir = _workdir(tokens)
         real = workdir in readers and workdir not in trained and "--eval_only" not in tokens
-        result = run_train_command(tokens, real)
+        result = run_train_command(tokens, real, workdir in trained)
         if real:
           trained.add(workdir)
           assert 0 <= result["ensemble"]["accuracy"] <= 1, what  # 4 steps: it ran, not how well

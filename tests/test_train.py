@@ -80,3 +80,28 @@ def test_default_workdir_parent_ships_with_the_repo():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   tracked = subprocess.run(["git", "ls-files", "runs"], cwd=root, capture_output=True, text=True).stdout.split()
   assert "runs/.gitkeep" in tracked
+
+
+def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path):
+  """``--dry_run`` (in process): the plan for a new workdir, which it does not create; ``--eval_only`` without a
+  checkpoint and a workdir another run holds are the errors the real commands give."""
+  import pytest
+  from configs import digits
+  from ipf_jax import checkpoint, trainer
+  from ipf_jax import workdir as workdir_lib
+  from tests import helpers
+  config = digits.get_config()
+  config.cnn_features = helpers.TEST_FEATURES
+  plan = trainer.check_run(config, str(tmp_path / "new"))
+  assert "would train 300 steps (30 epochs of 10 steps) from the start" in plan and "1347 train / 450 test" in plan
+  assert not (tmp_path / "new").exists()
+  with pytest.raises(checkpoint.CheckpointError, match="--eval_only: no checkpoint"):
+    trainer.check_run(config, str(tmp_path), eval_only=True)
+  lock = workdir_lib.Lock(str(tmp_path))
+  lock.acquire()  # flock: a second open file in this process conflicts as another process's would
+  try:
+    with pytest.raises(workdir_lib.WorkdirError, match="in use by another run"):
+      trainer.check_run(config, str(tmp_path))
+  finally:
+    lock.release()
+  assert os.listdir(tmp_path) == [".lock"]
