@@ -134,7 +134,7 @@ EXCHANGES = ("all_to_all", "rounds")
 
 
 def choose_exchange(method: str, axis_size: int) -> str:
-  """``auto``: ``rounds`` (peak memory 0.94-0.99x a step without resampling at every measured ``Dp`` up to
+  """``auto``: ``rounds`` (peak memory 1.01-1.15x a step without resampling at every measured ``Dp`` up to
   64, where ``all_to_all``'s grows with ``Dp``, to 30x; traffic for the replaced particles only:
   BENCHMARKS.md "Scaling"); otherwise ``method``."""
   return "rounds" if method == "auto" else method
@@ -218,33 +218,16 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int):
   big = sizes[-min(len(sizes), BIG_LEAVES)]
 
   def put(o, j, value, take):
-    """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision), in place."""
+    """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision), in place: for the
+    ``BIG_LEAVES`` largest leaves by a local ``cond`` (measured the smallest peak), for the others by a
+    ``where`` (a ``cond`` per leaf and round would multiply the compile time)."""
+    if o.size >= big:
+      return lax.cond(take, lambda o, v: lax.dynamic_update_index_in_dim(o, v, j, 0), lambda o, v: o, o, value)
     return lax.dynamic_update_index_in_dim(o, jnp.where(take, value, lax.dynamic_index_in_dim(o, j, keepdims=False)),
                                            j, 0)
 
-  def run_round(active, move, leaves, token):
-    """``move`` on every leaf when ``active``: the ``BIG_LEAVES`` largest each in a ``cond`` of its own, the
-    rest in one, so that one large leaf's received buffer is live at a time (one ``cond`` for all leaves:
-    XLA sends every leaf before it updates any, +15% peak for ResNet-18 at L = 1). The ``cond``s are
-    chained by ``token``, a number computed from what each received: independent ``cond``s holding
-    collectives could run in different orders on different processes (XLA:CPU runs independent
-    operations concurrently; gloo then pairs the wrong messages)."""
-    leaves = list(leaves)
-    groups = [[i for i, x in enumerate(leaves) if x.size < big]] + [[i] for i, x in enumerate(leaves) if x.size >= big]
-
-    def moved(xs, t):
-      new = [move(x) for x in xs]
-      return new, t + sum(x.reshape(-1)[0].astype(t.dtype) for x in new) * 0.0
-
-    for group in (g for g in groups if g):
-      new, token = lax.cond(active, moved, lambda xs, t: (xs, t), [leaves[i] for i in group], token)
-      for i, x in zip(group, new):
-        leaves[i] = x
-    return leaves, token
-
   one = lambda o, i: lax.dynamic_index_in_dim(o, i, keepdims=False)
-  leaves, treedef = jax.tree.flatten(tree)
-  token = lax.pcast(jnp.zeros((), jnp.float32), (axis_name,), to="varying")
+  out = tree
   for k in range(axis_size):
     dest, sender = (me + k) % axis_size, (me - k) % axis_size
     perm = [(d, (d + k) % axis_size) for d in range(axis_size)]
@@ -256,8 +239,8 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int):
         wanted = lax.dynamic_index_in_dim(src_loc, dest, keepdims=False)[j]  # mine that dest's slot j takes
         move = (lambda o, j=j, wanted=wanted, perm=perm, take=mine_dev[j] == sender:
                 put(o, j, lax.ppermute(one(o, wanted), axis_name, perm), take))
-      leaves, token = run_round(active[k, j], move, leaves, token)
-  return jax.tree.unflatten(treedef, leaves)
+      out = lax.cond(active[k, j], lambda out, move=move: jax.tree.map(move, out), lambda out: out, out)
+  return out
 
 
 def jitter(params, src, key, sigma: float, axis_name: str):
