@@ -166,8 +166,8 @@ class _Run:
     self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch or 1)
     self.spec, self.mesh, self.total, self.lr_fn = (self.parts.spec, self.parts.mesh, self.parts.total_steps,
                                                     self.parts.lr_fn)
-    if check_only:
-      workdir_lib.check(workdir) if for_training else workdir_lib.require_existing(workdir, "--eval_only")
+    if check_only and for_training:
+      workdir_lib.check(workdir)
     elif for_training:
       workdir_lib.prepare(workdir)
       if jax.process_index() == 0:

@@ -21,36 +21,40 @@ class WorkdirError(OSError):
   """The workdir cannot be used; the message says why and what to do."""
 
 
-def prepare(workdir: str) -> None:
-  """Creates ``workdir`` (its parent must exist) and checks that it is a writable directory."""
+def _require_parent(workdir: str) -> str:
   parent = os.path.dirname(os.path.abspath(workdir))
   if not os.path.isdir(parent):
     raise WorkdirError(f"--workdir {workdir}: the parent directory {parent} does not exist; create it first "
                        "or choose another --workdir")
+  return parent
+
+
+def _not_writable(workdir: str) -> WorkdirError:
+  return WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose another "
+                      "--workdir")
+
+
+def prepare(workdir: str) -> None:
+  """Creates ``workdir`` (its parent must exist) and checks that it is a writable directory."""
+  _require_parent(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise WorkdirError(f"--workdir {workdir}: cannot be created ({e.strerror}); choose a writable location") from None
   if not os.access(workdir, os.W_OK | os.X_OK) or not os.path.isdir(workdir):
-    raise WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose "
-                       "another --workdir")
+    raise _not_writable(workdir)
 
 
-def check(workdir: str) -> str:
-  """``prepare``'s checks without creating anything: ``"new"`` or ``"existing"``."""
+def check(workdir: str) -> None:
+  """``prepare``'s checks without creating anything (``--dry_run``)."""
   if os.path.exists(workdir):
     if not os.path.isdir(workdir) or not os.access(workdir, os.W_OK | os.X_OK):
-      raise WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose "
-                         "another --workdir")
-    return "existing"
-  parent = os.path.dirname(os.path.abspath(workdir))
-  if not os.path.isdir(parent):
-    raise WorkdirError(f"--workdir {workdir}: the parent directory {parent} does not exist; create it first "
-                       "or choose another --workdir")
+      raise _not_writable(workdir)
+    return
+  parent = _require_parent(workdir)
   if not os.access(parent, os.W_OK | os.X_OK):
     raise WorkdirError(f"--workdir {workdir}: cannot be created in {parent} (not writable); choose a writable "
                        "location")
-  return "new"
 
 
 def require_existing(workdir: str, what: str) -> None:
@@ -74,19 +78,24 @@ class Lock:
     self.path = os.path.join(workdir, LOCK_FILE)
     self._file = None
 
+  def _lock(self, f, how: int) -> None:
+    """``flock(f, how)`` without waiting, or (``f`` closed) the ``WorkdirError`` naming the run that holds it."""
+    try:
+      fcntl.flock(f, how | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+        f.seek(0)
+        error = WorkdirError(f"--workdir {os.path.dirname(self.path)} is in use by another run "
+                             f"({f.read().strip() or 'an unknown process'}); wait for it to finish or stop it, or "
+                             "use another --workdir")
+      else:
+        error = WorkdirError(f"cannot lock {self.path} ({e.strerror})")
+      f.close()
+      raise error from None
+
   def acquire(self) -> None:
     f = open(self.path, "a+")  # never truncate before holding the lock: the holder's line is in it
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-        f.close()
-        raise WorkdirError(f"cannot lock {self.path} ({e.strerror})") from None
-      f.seek(0)
-      holder = f.read().strip() or "an unknown process"
-      f.close()
-      raise WorkdirError(f"--workdir {os.path.dirname(self.path)} is in use by another run ({holder}); wait for it "
-                         "to finish or stop it, or use another --workdir") from None
+    self._lock(f, fcntl.LOCK_EX)
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on host {socket.gethostname()}, started "
@@ -98,16 +107,10 @@ class Lock:
     """Raises the ``WorkdirError`` ``acquire`` would when another run holds the lock; creates nothing."""
     if not os.path.exists(self.path):
       return
-    with open(self.path) as f:
-      try:
-        fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-      except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-          raise WorkdirError(f"cannot lock {self.path} ({e.strerror})") from None
-        raise WorkdirError(f"--workdir {os.path.dirname(self.path)} is in use by another run "
-                           f"({f.read().strip() or 'an unknown process'}); wait for it to finish or stop it, or use "
-                           "another --workdir") from None
-      fcntl.flock(f, fcntl.LOCK_UN)
+    f = open(self.path)
+    self._lock(f, fcntl.LOCK_SH)
+    fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()
 
   def release(self) -> None:
     if self._file is not None:
