@@ -7,9 +7,9 @@
                  per-particle numbers: ``Numbers``; weigh_on=common: l_i on common examples,
                  ess_target: tau_t adapted)
   3. update:     d_i = (1 - lambda) g_i + lambda sum_j w_j g_j;  theta_i, mu_i <- opt(d_i, mu_i, theta_i)
-  4. resample:   if ESS < threshold P (or a particle was culled, or on schedule): copy survivors'
-                 particles over the others (``filter.resample``)
-  5. commit:     apply, or skip the whole step (nothing finite; a float16 overflow)
+  4. commit:     apply, or skip the whole step (nothing finite; a float16 overflow)
+  5. resample:   if ESS < threshold P (or a particle was culled, or on schedule), and the step was
+                 applied: copy survivors' particles over the others (``filter.resample``)
 
 Per-particle code is written for one particle and run over the ``L`` particles
 of a device (``over_particles``); collectives name ``"particle"`` or ``"data"``.
@@ -238,7 +238,7 @@ def correct_and_update(tx: optax.GradientTransformation, spec: ParticleSpec, dp:
   return (params, g.batch_stats, opt_state, residual), shared_params, shared_opt_state
 
 
-# ---- 4. resample (filter.resample) and 5. commit ------------------------------------------------------------------
+# ---- 4. commit and 5. resample (filter.resample) ----------------------------------------------------------------
 
 def resample_decision(spec: ParticleSpec, step, ess, num_alive):
   """Low ESS, a culled particle to replace (while any is alive), or the schedule."""
@@ -293,28 +293,32 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     ess = pf.ess(all_log_w)
     num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
     identity = jnp.arange(num_particles, dtype=jnp.int32)
-    new_log_w, src, resampled = log_w, identity, jnp.zeros((), bool)
-    if spec.resampling:
-      resampled = resample_decision(spec, state.step, ess, num_alive)
-      particle, new_log_w, src = lax.cond(
-          resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, jitter_sigma(spec, lr_fn, state.step),
-                                              method=pf.choose_exchange(spec.exchange, dp)),
-          lambda p, w: (p, w, identity), particle, log_w)
-    # 5. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
+    # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow. The commit
+    # comes before the resampling so the old state is dead while particles move (the exchange's buffers then
+    # add nothing to the step's peak memory).
     ds, overflow = state.dynamic_scale, jnp.zeros((), bool)
     if ds is not None:
       ds, overflow = loss_scale_decision(ds, numbers)
     ok = (num_alive > 0) & ~overflow
     params, batch_stats, opt_state, residual = particle
     updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
-                            log_weights=new_log_w, num_resamples=state.num_resamples + resampled.astype(jnp.int32),
-                            shared_params=shared_params, shared_opt_state=shared_opt_state)
+                            log_weights=log_w, shared_params=shared_params, shared_opt_state=shared_opt_state)
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+    # 5. Resample the committed population (skipped steps never resample).
+    src, resampled = identity, jnp.zeros((), bool)
+    if spec.resampling:
+      resampled = resample_decision(spec, state.step, ess, num_alive) & ok
+      particle = (new_state.params, new_state.batch_stats, new_state.opt_state, new_state.residual)
+      (params, batch_stats, opt_state, residual), new_log_w, src = lax.cond(
+          resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, jitter_sigma(spec, lr_fn, state.step),
+                                              method=pf.choose_exchange(spec.exchange, dp)),
+          lambda p, w: (p, w, identity), particle, new_state.log_weights)
+      new_state = new_state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
+                                    log_weights=new_log_w)
     new_state = new_state.replace(step=state.step + 1, num_skipped=state.num_skipped + (~ok & ~overflow).astype(
-        jnp.int32))
+        jnp.int32), num_resamples=state.num_resamples + resampled.astype(jnp.int32))
     metrics = {"loss": numbers.loss, "alive": numbers.alive.astype(jnp.int32), "grad_norm": numbers.grad_norm,
-               "log_weights": all_log_w, "ess": ess, "resampled": resampled & ok,
-               "ancestors": jnp.where(resampled & ok, src, identity), "num_alive": num_alive}
+               "log_weights": all_log_w, "ess": ess, "resampled": resampled, "ancestors": src, "num_alive": num_alive}
     if spec.ess_target:
       metrics["temperature"] = temperature
     if numbers.score is not None:
