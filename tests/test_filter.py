@@ -105,10 +105,13 @@ def test_update_log_weights():
   assert out[1] == -np.inf
 
 
-def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all"):
+def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all", bucket_bytes=None):
   specs = jax.tree.map(lambda _: P("particle"), tree)
-  fn = jax.jit(jax.shard_map(lambda t, s: pf.exchange(t, s, mesh_lib.PARTICLE, dp, method), mesh=mesh,
-                             in_specs=(specs, P()), out_specs=specs))
+  if method == "rounds":
+    exchange = lambda t, s: pf.exchange_rounds(t, s, mesh_lib.PARTICLE, dp, bucket_bytes)
+  else:
+    exchange = lambda t, s: pf.exchange(t, s, mesh_lib.PARTICLE, dp, method)
+  fn = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(specs, P()), out_specs=specs))
   placed = jax.tree.map(lambda x: _sharded(mesh, x, P("particle")), tree)
   return jax.device_get(fn(placed, _sharded(mesh, jnp.asarray(src, jnp.int32), P())))
 
@@ -121,17 +124,29 @@ def test_exchange_moves_exactly_state_at_src(dp, dd, per_device, method):
   mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
   rng = np.random.default_rng(100 * dp + per_device)
   tree = {"w": rng.normal(size=(p, 3, 2)).astype(np.float32), "count": np.arange(p, dtype=np.int32) * 10,
-          "nested": (rng.normal(size=(p,)).astype(np.float32),)}
+          "nested": (rng.normal(size=(p,)).astype(np.float32), rng.normal(size=(p, 5)).astype(jnp.bfloat16))}
   # What resampling produces (survivors keep their slot): ancestors of every kind, through assign_slots.
   ancestors = [np.arange(p), np.zeros(p, int), np.full(p, p - 1), np.sort(rng.integers(0, p, size=p)),
                np.repeat(np.arange(0, p, 2), 2)[:p], np.sort(rng.choice(p, size=p) // 3)]
   sources = [np.asarray(pf.assign_slots(jnp.asarray(a))) for a in ancestors]
   if method == "all_to_all":  # takes any source vector, not only resampling's
     sources += [np.arange(p)[::-1], rng.integers(0, p, size=p), rng.permutation(p)]
+  # rounds: the default buckets, the float32 leaves in one bucket (one ppermute), each leaf in its own.
+  bucket_sizes = [None, 1 << 20, 1] if method == "rounds" else [None]
   for src in sources:
-    out = _exchange_on_mesh(mesh, dp, tree, src, method)
-    expect = jax.tree.map(lambda x: x[src], tree)
-    jax.tree.map(np.testing.assert_array_equal, out, expect)
+    for bucket_bytes in bucket_sizes:
+      out = _exchange_on_mesh(mesh, dp, tree, src, method, bucket_bytes)
+      expect = jax.tree.map(lambda x: x[src], tree)
+      jax.tree.map(np.testing.assert_array_equal, out, expect)
+
+
+def test_buckets_group_one_dtype_in_order_up_to_the_limit():
+  leaves = [np.zeros((2, 4), np.float32), np.zeros((2, 3), np.int32), np.zeros((2, 2), np.float32),
+            np.zeros((2, 10), np.float32), np.zeros((2, 1), np.float32), np.zeros((2, 2), np.int32)]
+  # One particle's bytes: 16, 12, 8, 40, 4, 8.
+  assert pf.buckets(leaves, 24) == [[0, 2], [1, 5], [3], [4]]
+  assert pf.buckets(leaves, 1 << 20) == [[0, 2, 3, 4], [1, 5]]
+  assert pf.buckets(leaves, 1) == [[0], [1], [2], [3], [4], [5]]
 
 
 @pytest.mark.parametrize("dp,per_device", [(8, 1), (4, 2), (8, 2)])
