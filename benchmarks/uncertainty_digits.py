@@ -38,6 +38,8 @@ METHODS = {
     "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
     "ipf jitter_lr=0.1": dict(mode="ipf", jitter_lr=0.1),
     "ipf common + ess_target=0.5": dict(mode="ipf", weigh_on="common", ess_target=0.5),
+    "ipf correction=0": dict(mode="ipf", correction=0.0),
+    "ipf correction=0 + ess_target=0.5": dict(mode="ipf", correction=0.0, ess_target=0.5),
     "seed recipe (rho=0; lr sqrt(world P))": dict(mode="ipf", forgetting=0.0, lr_scaling="seed"),
 }
 VARIANTS = {"full": dict(), "harder (20% + 20% noise)": dict(train_fraction=0.2, label_noise=0.2)}
