@@ -241,7 +241,7 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
   if bucket_bytes is None:
     bucket_bytes = min(BUCKET_BYTES, sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in leaves) // 4)
   groups = buckets(leaves, bucket_bytes)
-  big = sorted(x.size for x in leaves)[-min(len(leaves), BIG_LEAVES)]
+  big = sorted(x.size for x in leaves)[-min(len(leaves), BIG_LEAVES)] if BIG_LEAVES else math.inf
 
   def put(o, j, value, take):
     """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision), in place: for the

@@ -164,7 +164,8 @@ def test_nan_particle_is_culled_and_others_match_reference(dp, dd, p, mode):
 
 
 def test_all_particles_nonfinite_skips_the_step():
-  config = helpers.tiny_config(num_particles=4)
+  """Skipped as a whole, resampling included (the schedule asks for one every step)."""
+  config = helpers.tiny_config(num_particles=4, resample_every=1)
   s = helpers.Setup(config, 4, 2)
   init = s.host_state()
   for leaf in jax.tree.leaves(init.params):
@@ -174,6 +175,8 @@ def test_all_particles_nonfinite_skips_the_step():
   s.state, m = s.train_step(s.state, s.put(images, labels))
   out = s.host_state()
   assert int(m["num_alive"]) == 0 and int(out.num_skipped) == 1 and int(out.step) == 1
+  assert not m["resampled"] and int(out.num_resamples) == 0
+  np.testing.assert_array_equal(m["ancestors"], np.arange(4))
   helpers.assert_close(out.opt_state, init.opt_state)
   np.testing.assert_array_equal(out.log_weights, init.log_weights)
 
