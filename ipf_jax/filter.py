@@ -137,9 +137,9 @@ EXCHANGES = ("all_to_all", "rounds")
 
 
 def choose_exchange(method: str, axis_size: int) -> str:
-  """``auto``: ``rounds`` (peak memory 1.01-1.15x a step without resampling at every measured ``Dp`` up to
-  64, where ``all_to_all``'s grows with ``Dp``, to 30x; traffic for the replaced particles only:
-  BENCHMARKS.md "Scaling"); otherwise ``method``."""
+  """``auto``: ``rounds`` (peak memory 0.94-1.00x a step without resampling at every measured ``Dp`` up to
+  64, where ``all_to_all``'s grows with ``Dp``, to 30x; traffic for the replaced particles only; faster
+  when resampling every step on 8 CPU devices: BENCHMARKS.md "Scaling"); otherwise ``method``."""
   return "rounds" if method == "auto" else method
 
 

@@ -49,3 +49,9 @@ def test_fused_bn_benchmark_tiny():
                  "4,8", devices=8)
   assert len(s["results"]) == 3
   assert all(0 <= r["fused_bn_acc"] <= 1 and r["fused_bn_nll"] > 0 for r in s["results"].values())
+
+
+def test_exchange_buckets_benchmark_tiny():
+  s = run_module("benchmarks.exchange_buckets", "--buckets", "1,auto", "--repeats", "1", "--rounds", "1", devices=4)
+  assert set(s["over_ensemble"]) == {"ensemble", "rounds, bucket 1", "rounds, bucket auto"}
+  assert s["devices"] == 4 and all(v > 0 for v in s["peak_mib"].values())
