@@ -204,6 +204,9 @@ def buckets(leaves, limit: int = BUCKET_BYTES) -> list[list[int]]:
   groups, current = [], {}  # current[dtype] = [indices, bytes] of the dtype's open bucket
   for i, x in enumerate(leaves):
     nbytes = math.prod(x.shape[1:]) * x.dtype.itemsize
+    if nbytes > limit:  # alone; the dtype's open bucket stays open for the small leaves after it
+      groups.append([i])
+      continue
     bucket = current.get(x.dtype)
     if bucket is None or bucket[1] + nbytes > limit:
       bucket = current[x.dtype] = [[], 0]
@@ -225,9 +228,9 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
   quarter of a particle, at most ``BUCKET_BYTES``), one ``ppermute`` each, not one per leaf: a
   collective's latency is paid per bucket, and a bucket near a whole particle raised the digits CNN's
   peak by 1.4x (BENCHMARKS.md "Scaling").
-  Per device: a one-particle buffer per leaf and two of a bucket, whatever ``Dp`` and ``L``; a
-  resampling that replaces ``K`` particles runs at most ``K`` rounds, each sending one particle per
-  device; survivors never move.
+  Per device: buffers of at most one particle, whatever ``Dp`` and ``L``; a resampling that replaces
+  ``K`` particles runs at most ``K`` rounds, each sending one particle per device; survivors never move.
+  Every process issues a round's buckets in one order: they sit in the round's one ``cond``.
   ``exchange_all_to_all`` takes any ``src``.
   """
   leaves, treedef = jax.tree.flatten(tree)

@@ -145,6 +145,7 @@ def test_buckets_group_one_dtype_in_order_up_to_the_limit():
             np.zeros((2, 10), np.float32), np.zeros((2, 1), np.float32), np.zeros((2, 2), np.int32)]
   # One particle's bytes: 16, 12, 8, 40, 4, 8.
   assert pf.buckets(leaves, 24) == [[0, 2], [1, 5], [3], [4]]
+  assert pf.buckets(leaves, 28) == [[0, 2, 4], [1, 5], [3]]  # leaf 3 alone: the float32 bucket stays open
   assert pf.buckets(leaves, 1 << 20) == [[0, 2, 3, 4], [1, 5]]
   assert pf.buckets(leaves, 1) == [[0], [1], [2], [3], [4], [5]]
 
