@@ -198,12 +198,17 @@ BIG_LEAVES = 8
 BUCKET_BYTES = 4 << 20
 
 
+def _particle_bytes(x) -> int:
+  """Bytes of one particle's slice of a ``[L, ...]`` leaf."""
+  return math.prod(x.shape[1:]) * x.dtype.itemsize
+
+
 def buckets(leaves, limit: int = BUCKET_BYTES) -> list[list[int]]:
   """Leaf indices grouped for one collective each: same dtype, in order, one particle's slices adding
   up to at most ``limit`` bytes (a larger leaf goes alone), like DDP's gradient buckets."""
   groups, current = [], {}  # current[dtype] = [indices, bytes] of the dtype's open bucket
   for i, x in enumerate(leaves):
-    nbytes = math.prod(x.shape[1:]) * x.dtype.itemsize
+    nbytes = _particle_bytes(x)
     if nbytes > limit:  # alone; the dtype's open bucket stays open for the small leaves after it
       groups.append([i])
       continue
@@ -242,7 +247,7 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
   mine_loc = lax.dynamic_index_in_dim(src_loc, me, keepdims=False)
   active = active_rounds(src, num_local, axis_size)
   if bucket_bytes is None:
-    bucket_bytes = min(BUCKET_BYTES, sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in leaves) // 4)
+    bucket_bytes = min(BUCKET_BYTES, sum(map(_particle_bytes, leaves)) // 4)
   groups = buckets(leaves, bucket_bytes)
   big = sorted(x.size for x in leaves)[-min(len(leaves), BIG_LEAVES)] if BIG_LEAVES else math.inf
 
