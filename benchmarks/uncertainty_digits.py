@@ -40,6 +40,12 @@ METHODS = {
     "ipf common + ess_target=0.5": dict(mode="ipf", weigh_on="common", ess_target=0.5),
     "ipf correction=0": dict(mode="ipf", correction=0.0),
     "ipf correction=0 + ess_target=0.5": dict(mode="ipf", correction=0.0, ess_target=0.5),
+    "ipf correction=0 + islands=2": dict(mode="ipf", correction=0.0, islands=2),
+    "ipf correction=0 + islands=4 (ess_threshold=0.9)": dict(mode="ipf", correction=0.0, islands=4,
+                                                             ess_threshold=0.9),
+    "ipf correction=0 + islands=2 + jitter_lr=0.1": dict(mode="ipf", correction=0.0, islands=2, jitter_lr=0.1),
+    "ipf correction=0 + islands=2 + jitter_lr=0.3": dict(mode="ipf", correction=0.0, islands=2, jitter_lr=0.3),
+    "ipf correction=0 + jitter_lr=0.3": dict(mode="ipf", correction=0.0, jitter_lr=0.3),
     "seed recipe (rho=0; lr sqrt(world P))": dict(mode="ipf", forgetting=0.0, lr_scaling="seed"),
 }
 VARIANTS = {"full": dict(), "harder (20% + 20% noise)": dict(train_fraction=0.2, label_noise=0.2)}

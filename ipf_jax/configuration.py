@@ -65,6 +65,7 @@ class ParticleSpec:
   ess_target: float = 0.0  # > 0: tau_t by bisection so that the ESS after reweighting stays >= ess_target * P
   jitter_lr: float = 0.0  # resampled copies' noise: sigma = jitter + jitter_lr * learning rate
   accum_steps: int = 1  # each step's batch as this many micro-batches, gradients averaged (grad_accum_steps)
+  islands: int = 1  # G: groups of P / G particles, each weighed and resampled on its own (1 = one population)
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
@@ -80,7 +81,8 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
                         particle_loop=resolve_particle_loop(config.particle_loop),
                         exchange=config.resample_exchange, ess_target=float(config.ess_target),
                         weigh_on=config.weigh_on, common_examples=int(config.common_examples),
-                        jitter_lr=float(config.jitter_lr), accum_steps=int(config.grad_accum_steps))
+                        jitter_lr=float(config.jitter_lr), accum_steps=int(config.grad_accum_steps),
+                        islands=int(config.islands))
   return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False,
                       particle_loop=resolve_particle_loop(config.particle_loop),
                       accum_steps=int(config.grad_accum_steps))
@@ -136,6 +138,9 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _check_choice(config, "weigh_on", WEIGH_ON)
   _check(isinstance(config.common_examples, int) and config.common_examples >= 1, "common_examples",
          f"must be an integer >= 1, got {config.common_examples!r}")
+  islands = config.islands
+  _check(isinstance(islands, int) and islands >= 1 and p % islands == 0, "islands",
+         f"must be an integer >= 1 that divides num_particles={p}, got {islands!r}")
   _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")
   _check(0 <= config.elastic_pull <= 1, "elastic_pull", f"must be in [0, 1], got {config.elastic_pull}")
   _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")

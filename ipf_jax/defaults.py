@@ -90,7 +90,11 @@ def get_config():
   config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
   config.elastic_pull = 0.0            # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
                                        # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
-  config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P
+  config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P (islands: any island's ESS
+                                       # below ess_threshold * P / islands)
+  config.islands = 1                   # G dividing P: groups of P / G particles, each weighed (an equal share of
+                                       # the total) and resampled within itself, so G lineages survive (1 = one
+                                       # population; G = P: an ensemble with weights)
   config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
   config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
   config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies

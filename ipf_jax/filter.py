@@ -31,29 +31,43 @@ def update_log_weights(log_w, loss, alive, temperature: float, forgetting: float
 
 
 def logsumexp(log_w):
-  """``log sum_i exp(log_w_i)`` over all ``P`` particles; ``-inf`` if all are ``-inf``."""
-  m = jnp.max(log_w)
+  """``log sum_i exp(log_w_i)`` over the last axis; ``-inf`` where all are ``-inf``."""
+  m = jnp.max(log_w, axis=-1, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf: avoid (-inf) - (-inf)
-  return m_safe + jnp.log(jnp.sum(jnp.exp(log_w - m_safe)))
+  return (m_safe + jnp.log(jnp.sum(jnp.exp(log_w - m_safe), axis=-1, keepdims=True)))[..., 0]
 
 
-def normalize(log_w):
+def normalize(log_w, islands: int = 1):
   """``log_w - logsumexp(log_w)`` over all ``P`` particles, so that ``sum_i w_i = 1``.
 
-  If every particle is ``-inf`` the input is returned unchanged (the step
-  sees ``num_alive == 0`` and skips the update).
+  With ``islands = G``: over each island (``G`` consecutive groups of ``P / G`` particles), then
+  ``- log G_alive``: every island that has a finite weight holds the same share of the total, ``1 /
+  G_alive``. An island whose particles are all ``-inf`` is returned unchanged (resampling refills it;
+  if every particle is ``-inf`` the step sees ``num_alive == 0`` and skips the update).
   """
-  lse = logsumexp(log_w)
-  return jnp.where(jnp.isfinite(lse), log_w - lse, log_w)
+  rows = log_w.reshape(islands, -1)
+  lse = logsumexp(rows)[:, None]
+  alive = jnp.isfinite(lse)
+  share = jnp.log(jnp.maximum(jnp.sum(alive), 1).astype(log_w.dtype)) if islands > 1 else 0.0
+  return jnp.where(alive, rows - lse - share, rows).reshape(log_w.shape)
 
 
-def ess(log_w):
-  """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights ``[P]``."""
-  return jnp.exp(-logsumexp(2.0 * log_w))
+def ess(log_w, islands: int = 1):
+  """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights ``[P]``.
+
+  With ``islands = G``: ``G`` times the smallest island's own ESS (``(sum w)^2 / sum w^2`` over its
+  particles; ``0`` for an island with no finite weight), so that ``ess < threshold * P`` says that some
+  island's ESS is below ``threshold * P / G``. ``G = 1``: the plain ESS.
+  """
+  if islands == 1:
+    return jnp.exp(-logsumexp(2.0 * log_w))
+  rows = log_w.reshape(islands, -1)
+  own = jnp.exp(2.0 * logsumexp(rows) - logsumexp(2.0 * rows))
+  return islands * jnp.min(jnp.where(jnp.isfinite(own), own, 0.0))
 
 
 def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetting: float, target_ess: float,
-                         iterations: int = 30):
+                         iterations: int = 30, islands: int = 1):
   """The largest ``tau`` in ``[0, max_temperature]`` with ``ess(normalize(rho prev - tau loss)) >= target_ess``
   (bisection over ``iterations`` halvings, replicated: all arguments are the ``[P]`` values of every
   particle); ``max_temperature`` when that already keeps the ESS, ``0`` when nothing does.
@@ -61,9 +75,9 @@ def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetti
   Args:
     previous: ``[P]`` normalised log-weights before this step.
     loss: ``[P]`` this step's losses; ``alive``: ``[P]`` bool.
-    target_ess: in particles (``ess_target * P``).
+    target_ess: in particles (``ess_target * P``); ``islands``: as in ``ess``.
   """
-  ess_at = lambda tau: ess(normalize(update_log_weights(previous, loss, alive, tau, forgetting)))
+  ess_at = lambda tau: ess(normalize(update_log_weights(previous, loss, alive, tau, forgetting), islands), islands)
 
   def halve(_, bounds):
     lo, hi = bounds
@@ -131,6 +145,26 @@ def assign_slots(ancestors):
   freed = counts == 0
   rank = jnp.cumsum(freed) - 1
   return jnp.where(freed, extras[jnp.clip(rank, 0, num - 1)], jnp.arange(num, dtype=jnp.int32))
+
+
+def sources(u, log_w, islands: int = 1):
+  """``[P]`` int32 ``src`` of a resampling, ``new_particle[n] = old_particle[src[n]]``: each island (``islands``
+  consecutive groups of ``n = P / islands``; one island: the whole population) is resampled on its own
+  (``systematic_resample`` of its weights with the same ``u``, then ``assign_slots``), so a copy never leaves
+  its island and survivors keep their slots. An island with no finite weight takes the resampled particles
+  of the next island (cyclically) that has one.
+  """
+  num = log_w.shape[0]
+  n = num // islands
+  rows = log_w.reshape(islands, n)
+  own = jax.vmap(lambda row: assign_slots(systematic_resample(u, row)))(rows)
+  own = own + n * jnp.arange(islands, dtype=jnp.int32)[:, None]
+  if islands == 1:
+    return own.reshape(num)
+  alive = jnp.isfinite(rows).any(axis=1)
+  order = (jnp.arange(islands)[:, None] + jnp.arange(islands)[None, :]) % islands  # row g: g, g + 1, ...
+  donor = jnp.take_along_axis(order, jnp.argmax(alive[order], axis=1)[:, None], axis=1)[:, 0]
+  return own[donor].reshape(num)
 
 
 EXCHANGES = ("all_to_all", "rounds")
@@ -312,11 +346,12 @@ def jitter(params, src, key, sigma: float, axis_name: str):
 
 
 def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0, axis_name: str = "particle",
-             method: str = "all_to_all"):
-  """Systematic resampling of the whole population, survivors in place (DESIGN.md §3.5).
+             method: str = "all_to_all", islands: int = 1):
+  """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
-  ``u`` from ``fold_in(key, 0)``; ``a = systematic_resample(u, all_log_w)``; slot ``n`` takes particle
-  ``assign_slots(a)[n]`` (``exchange``: survivors keep their slots, as ``exchange_rounds`` requires);
+  ``u`` from ``fold_in(key, 0)``; slot ``n`` takes particle ``sources(u, all_log_w, islands)[n]``
+  (``systematic_resample`` then ``assign_slots``, per island; survivors keep their slots, as
+  ``exchange_rounds`` requires);
   copies get ``jitter`` from ``fold_in(key, 1)`` when ``sigma`` (a float, or a traced scalar) is not
   ``0``; weights reset to ``-log P``.
 
@@ -327,7 +362,7 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
     ``(particle, uniform log-weights [L], src [P])``.
   """
   u = jax.random.uniform(jax.random.fold_in(key, 0))
-  src = assign_slots(systematic_resample(u, all_log_w))
+  src = sources(u, all_log_w, islands)
   params, *rest = exchange(particle, src, axis_name, axis_size, method)
   if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
     params = jitter(params, src, jax.random.fold_in(key, 1), sigma, axis_name)

@@ -5,11 +5,12 @@
                  grad_accum_steps k: the mean over k micro-batches of x_i, one after another)
   2. reweigh:    log w_i <- rho log w_i - tau l_i, normalised over all particles   (one psum of the
                  per-particle numbers: ``Numbers``; weigh_on=common: l_i on common examples,
-                 ess_target: tau_t adapted)
+                 ess_target: tau_t adapted; islands: normalised within each island, 1 / G each)
   3. update:     d_i = (1 - lambda) g_i + lambda sum_j w_j g_j;  theta_i, mu_i <- opt(d_i, mu_i, theta_i)
   4. commit:     apply, or skip the whole step (nothing finite; a float16 overflow)
   5. resample:   if ESS < threshold P (or a particle was culled, or on schedule), and the step was
-                 applied: copy survivors' particles over the others (``filter.resample``)
+                 applied: copy survivors' particles over the others (``filter.resample``; islands:
+                 each island within itself)
 
 Per-particle code is written for one particle and run over the ``L`` particles
 of a device (``over_particles``); collectives name ``"particle"`` or ``"data"``.
@@ -180,9 +181,9 @@ def gather_numbers(numbers: Numbers) -> Numbers:
 
 def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Numbers, jax.Array, jax.Array]:
   """``(numbers [P], all_log_w [P], tau)``: ``log w_i <- rho log w_i - tau l_i`` normalised over all ``P``
-  particles (replicated); a culled particle gets ``-inf``. ``tau`` is ``temperature``, or with
-  ``ess_target`` the largest ``tau <= temperature`` that keeps the ESS at ``ess_target * P``
-  (``filter.adaptive_temperature``)."""
+  particles (replicated; ``islands``: within each island, ``filter.normalize``); a culled particle gets
+  ``-inf``. ``tau`` is ``temperature``, or with ``ess_target`` the largest ``tau <= temperature`` that keeps
+  the ESS at ``ess_target * P`` (``filter.adaptive_temperature``)."""
   score = g.loss if g.score is None else g.score
   raw = pf.update_log_weights(state.log_weights, score, g.alive, spec.temperature, spec.forgetting)
   numbers = Numbers(raw, g.loss, g.alive.astype(g.loss.dtype), jax.vmap(optax.tree.norm)((g.grads, g.shared_grads)))
@@ -200,10 +201,11 @@ def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Num
     alive = numbers.alive > 0
     score = numbers.loss if numbers.score is None else numbers.score
     temperature = pf.adaptive_temperature(numbers.previous_log_weight, score, alive, spec.temperature,
-                                           spec.forgetting, spec.ess_target * spec.num_particles)
+                                           spec.forgetting, spec.ess_target * spec.num_particles,
+                                           islands=spec.islands)
     numbers = numbers._replace(log_weight=pf.update_log_weights(numbers.previous_log_weight, score, alive,
                                                                 temperature, spec.forgetting))
-  return numbers, pf.normalize(numbers.log_weight), temperature
+  return numbers, pf.normalize(numbers.log_weight, spec.islands), temperature
 
 
 def local_slice(all_values, num_local: int):
@@ -290,7 +292,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     numbers, all_log_w, temperature = reweigh(spec, state, g)
     log_w = local_slice(all_log_w, num_local)
     particle, shared_params, shared_opt_state = correct_and_update(tx, spec, dp, state, g, jnp.exp(log_w))
-    ess = pf.ess(all_log_w)
+    ess = pf.ess(all_log_w, spec.islands)
     num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
     identity = jnp.arange(num_particles, dtype=jnp.int32)
     # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow. The commit
@@ -311,7 +313,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
       particle = (new_state.params, new_state.batch_stats, new_state.opt_state, new_state.residual)
       (params, batch_stats, opt_state, residual), new_log_w, src = lax.cond(
           resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, jitter_sigma(spec, lr_fn, state.step),
-                                              method=pf.choose_exchange(spec.exchange, dp)),
+                                              method=pf.choose_exchange(spec.exchange, dp), islands=spec.islands),
           lambda p, w: (p, w, identity), particle, new_state.log_weights)
       new_state = new_state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
                                     log_weights=new_log_w)
@@ -328,7 +330,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
       metrics.update(loss_scale=state.dynamic_scale.scale, overflow=overflow)
       # An overflow step culls nobody and keeps the weights: report them so, not the discarded update.
       finite = (numbers.alive + numbers.overflow) > 0
-      kept = {"log_weights": numbers.previous_log_weight, "ess": pf.ess(numbers.previous_log_weight),
+      kept = {"log_weights": numbers.previous_log_weight, "ess": pf.ess(numbers.previous_log_weight, spec.islands),
               "alive": finite.astype(jnp.int32), "num_alive": jnp.sum(finite).astype(jnp.int32)}
       metrics.update({k: jnp.where(overflow, v, metrics[k]) for k, v in kept.items()})
     return new_state, metrics

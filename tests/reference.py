@@ -41,6 +41,43 @@ def systematic_ancestors(weights, u):
   return out
 
 
+def island_normalize(log_w, islands):
+  """Each island's weights normalised on its own, times ``1 / (islands with a finite weight)``."""
+  log_w = np.array(log_w, np.float64)
+  n = len(log_w) // islands
+  blocks = [log_w[g * n:(g + 1) * n] for g in range(islands)]
+  live = [g for g in range(islands) if np.isfinite(logsumexp(blocks[g]))]
+  for g in live:
+    log_w[g * n:(g + 1) * n] = blocks[g] - logsumexp(blocks[g]) - np.log(len(live))
+  return log_w
+
+
+def island_ess(w, islands):
+  """``islands`` times the smallest island's ``(sum w)^2 / sum w^2`` (0 for an island without weight)."""
+  n = len(w) // islands
+  own = []
+  for g in range(islands):
+    block = np.asarray(w[g * n:(g + 1) * n], np.float64)
+    own.append(block.sum() ** 2 / np.sum(block ** 2) if block.sum() > 0 else 0.0)
+  return islands * min(own)
+
+
+def island_sources(w, u, islands):
+  """``src`` of a resampling: each island's own systematic resampling (same ``u``) with survivors in their
+  slots; an island without weight copies the next island (cyclically) that has weight."""
+  n = len(w) // islands
+  per_island = []
+  for g in range(islands):
+    block = list(w[g * n:(g + 1) * n])
+    own = survivor_slots(systematic_ancestors(block, u)) if sum(block) > 0 else None
+    per_island.append(None if own is None else [g * n + a for a in own])
+  src = []
+  for g in range(islands):
+    donor = next(h % islands for h in range(g, g + islands) if per_island[h % islands] is not None)
+    src += per_island[donor]
+  return src
+
+
 def survivor_slots(ancestors):
   """Survivors keep their slot; freed slots (ascending) take the extra copies (ascending)."""
   p = len(ancestors)
@@ -174,7 +211,7 @@ class Reference:
     if not any(alive):
       self.step += 1
       return record
-    log_w = log_w - logsumexp(log_w)
+    log_w = island_normalize(log_w, s.islands)
     w = np.exp(log_w)
     consensus = None
     for j in range(p):
@@ -197,7 +234,7 @@ class Reference:
       consensus_shared = jax.tree.map(lambda *gs: sum(w[j] * gs[j] for j in range(p) if w[j] > 0), *shared_grads)
       updates, self.shared_opt_state = self._update(consensus_shared, self.shared_opt_state, self.shared)
       self.shared = optax.apply_updates(self.shared, updates)
-    ess = 1.0 / np.sum(w ** 2)
+    ess = island_ess(w, s.islands)
     record["ess"] = ess
     record["log_weights"] = log_w
     resample = s.resampling and (
@@ -205,7 +242,7 @@ class Reference:
         or (s.resample_every > 0 and (self.step + 1) % s.resample_every == 0))
     if resample:
       u = float(jax.random.uniform(jax.random.fold_in(key, 0)))
-      src = survivor_slots(systematic_ancestors(w, u))
+      src = island_sources(w, u, s.islands)
       self.params = [self.params[a] for a in src]
       self.batch_stats = [self.batch_stats[a] for a in src]
       self.opt_state = [self.opt_state[a] for a in src]

@@ -29,6 +29,8 @@ def cfg(**kw):
     (dict(weigh_on="shared"), 8, "weigh_on", "use one of own, common"),
     (dict(weigh_on="common", common_examples=17), 8, "common_examples", "use at most 16"),
     (dict(calibration_fraction=0.5), 8, "calibration_fraction", "[0, 0.5)"),
+    (dict(islands=3), 8, "islands", "divides num_particles=8"),
+    (dict(islands=0), 8, "islands", "integer >= 1"),
     (dict(ess_threshold=2.0), 8, "ess_threshold", "[0, 1]"),
     (dict(lr_scaling="cubic"), 8, "lr_scaling", "none, linear, sqrt"),
     (dict(init="random"), 8, "init", "auto, shared, independent"),

@@ -96,6 +96,48 @@ def test_all_culled_weights_stay_as_they_are():
   assert np.all(out == -np.inf)
 
 
+@pytest.mark.parametrize("p,islands", [(8, 2), (8, 4), (8, 8), (12, 3), (6, 1)])
+def test_islands_weigh_and_resample_within_themselves(p, islands):
+  """Each island normalised to an equal share, its ESS, its own systematic resampling: against the plain
+  loops of tests/reference.py, with culled particles and a whole island culled."""
+  rng = np.random.default_rng(p * islands)
+  n = p // islands
+  normalize = jax.jit(pf.normalize, static_argnums=1)
+  ess = jax.jit(pf.ess, static_argnums=1)
+  sources = jax.jit(pf.sources, static_argnums=2)
+  for trial in range(20):
+    log_w = (rng.normal(size=p) * 3).astype(np.float32)
+    if trial % 2:
+      log_w[rng.choice(p, max(1, p // 4), replace=False)] = -np.inf
+    if trial % 4 == 3 and islands > 1:
+      log_w[n:2 * n] = -np.inf  # island 1 has no particle left
+    norm = np.asarray(normalize(jnp.asarray(log_w), islands))
+    expect = reference.island_normalize(log_w, islands)
+    np.testing.assert_allclose(norm, expect, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.isinf(norm), np.isinf(log_w))
+    w = np.exp(expect)
+    np.testing.assert_allclose(ess(jnp.asarray(norm), islands), reference.island_ess(w, islands), rtol=1e-4)
+    u = rng.uniform()
+    src = np.asarray(sources(jnp.float32(u), jnp.asarray(norm), islands))
+    np.testing.assert_array_equal(src, reference.island_sources(w, u, islands))
+    assert np.all(w[src] > 0), "a culled particle was resampled"
+    assert np.all(src[src] == src), "a source did not keep its own slot"
+    island_alive = w.reshape(islands, n).sum(axis=1) > 0
+    home = (src // n == np.arange(p) // n).reshape(islands, n)
+    assert np.all(home[island_alive]), "a copy crossed into another island"
+    assert not np.any(home[~island_alive]), "a culled island was not refilled"
+
+
+def test_one_island_is_the_plain_filter():
+  rng = np.random.default_rng(1)
+  log_w = jnp.asarray(rng.normal(size=8) * 3, jnp.float32)
+  np.testing.assert_array_equal(pf.normalize(log_w, 1), pf.normalize(log_w))
+  n = pf.normalize(log_w)
+  np.testing.assert_allclose(pf.ess(n, 1), 1 / np.sum(np.exp(np.asarray(n, np.float64)) ** 2), rtol=1e-5)
+  np.testing.assert_array_equal(pf.sources(0.3, n, 1),
+                                reference.survivor_slots(reference.systematic_ancestors(np.exp(n), 0.3)))
+
+
 def test_update_log_weights():
   lw = np.log(np.array([0.5, 0.25, 0.25], np.float32))
   loss = np.array([1.0, np.nan, 2.0], np.float32)

@@ -90,6 +90,28 @@ def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
   assert_same_run(s, ref, spmd, refr, atol=4e-5)
 
 
+@pytest.mark.parametrize("dp,dd,p,islands", [(4, 2, 8, 2), (8, 1, 16, 4), (2, 4, 4, 2), (8, 1, 8, 8)])
+def test_islands_match_reference(dp, dd, p, islands):
+  """islands=G: weights normalised per island, each island resampled within itself; G = P with a culled
+  particle: its island (itself) takes the next island's particle."""
+  config = helpers.tiny_config(num_particles=p, islands=islands, temperature=4.0, forgetting=0.8, correction=0.5,
+                               ess_threshold=0.9, jitter=1e-3)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4, poison=1 if islands == p else None)
+  n = p // islands
+  moved = 0
+  for m in spmd:
+    w = np.exp(np.asarray(m["log_weights"], np.float64)).reshape(islands, n).sum(axis=1)
+    np.testing.assert_allclose(w[w > 0], 1 / np.sum(w > 0), rtol=1e-5)  # every live island an equal share
+    src = np.asarray(m["ancestors"])
+    if islands < p:
+      np.testing.assert_array_equal(src // n, np.arange(p) // n)  # no copy leaves its island
+    moved += int(np.sum(src != np.arange(p)))
+  assert moved >= 1, "the test must exercise resampling"
+  if islands == p:
+    assert spmd[0]["resampled"] and list(spmd[0]["ancestors"]) == [0, 2] + list(range(2, p))
+  assert_same_run(s, ref, spmd, refr)
+
+
 @pytest.mark.parametrize("dp,dd,p,k,loop", [(4, 2, 8, 2, "vmap"), (8, 1, 8, 4, "map")])
 def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop):
   """grad_accum_steps=k: each step runs k micro-batches (examples m, m + k, ... of a particle's batch) and
