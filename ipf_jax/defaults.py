@@ -94,7 +94,7 @@ def get_config():
                                        # below ess_threshold * P / islands)
   config.islands = 1                   # G dividing P: groups of P / G particles, each weighed (an equal share of
                                        # the total) and resampled within itself, so G lineages survive (1 = one
-                                       # population; G = P: an ensemble with weights)
+                                       # population; G = P: equal weights, culled members replaced)
   config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
   config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
   config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies

@@ -52,17 +52,23 @@ def normalize(log_w, islands: int = 1):
   return jnp.where(alive, rows - lse - share, rows).reshape(log_w.shape)
 
 
+def island_ess(log_w, islands: int):
+  """``[G]``: each island's own ESS, ``(sum w)^2 / sum w^2`` over its particles (NaN for an island with no
+  finite weight)."""
+  rows = log_w.reshape(islands, -1)
+  return jnp.exp(2.0 * logsumexp(rows) - logsumexp(2.0 * rows))
+
+
 def ess(log_w, islands: int = 1):
   """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights ``[P]``.
 
-  With ``islands = G``: ``G`` times the smallest island's own ESS (``(sum w)^2 / sum w^2`` over its
-  particles; ``0`` for an island with no finite weight), so that ``ess < threshold * P`` says that some
+  With ``islands = G``: ``G`` times the smallest island's own ESS (``island_ess``; ``0`` for an island
+  with no finite weight, which resampling must refill), so that ``ess < threshold * P`` says that some
   island's ESS is below ``threshold * P / G``. ``G = 1``: the plain ESS.
   """
   if islands == 1:
     return jnp.exp(-logsumexp(2.0 * log_w))
-  rows = log_w.reshape(islands, -1)
-  own = jnp.exp(2.0 * logsumexp(rows) - logsumexp(2.0 * rows))
+  own = island_ess(log_w, islands)
   return islands * jnp.min(jnp.where(jnp.isfinite(own), own, 0.0))
 
 
@@ -75,9 +81,15 @@ def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetti
   Args:
     previous: ``[P]`` normalised log-weights before this step.
     loss: ``[P]`` this step's losses; ``alive``: ``[P]`` bool.
-    target_ess: in particles (``ess_target * P``); ``islands``: as in ``ess``.
+    target_ess: in particles (``ess_target * P``); ``islands``: as in ``ess``, over the islands that have a
+      finite weight (an island with none has no ESS for ``tau`` to keep).
   """
-  ess_at = lambda tau: ess(normalize(update_log_weights(previous, loss, alive, tau, forgetting), islands), islands)
+  def ess_at(tau):
+    log_w = normalize(update_log_weights(previous, loss, alive, tau, forgetting), islands)
+    if islands == 1:
+      return ess(log_w)
+    own = island_ess(log_w, islands)
+    return islands * jnp.min(jnp.where(jnp.isfinite(own), own, jnp.inf))
 
   def halve(_, bounds):
     lo, hi = bounds

@@ -131,11 +131,31 @@ def test_islands_weigh_and_resample_within_themselves(p, islands):
 def test_one_island_is_the_plain_filter():
   rng = np.random.default_rng(1)
   log_w = jnp.asarray(rng.normal(size=8) * 3, jnp.float32)
-  np.testing.assert_array_equal(pf.normalize(log_w, 1), pf.normalize(log_w))
-  n = pf.normalize(log_w)
+  n = pf.normalize(log_w, 1)
+  np.testing.assert_allclose(n, np.asarray(log_w, np.float64) - reference.logsumexp(log_w), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(pf.ess(n, 1), 1 / np.sum(np.exp(np.asarray(n, np.float64)) ** 2), rtol=1e-5)
   np.testing.assert_array_equal(pf.sources(0.3, n, 1),
                                 reference.survivor_slots(reference.systematic_ancestors(np.exp(n), 0.3)))
+
+
+@pytest.mark.parametrize("p,islands", [(8, 4), (8, 8), (12, 3)])
+def test_adaptive_temperature_with_islands_ignores_an_island_without_particles(p, islands):
+  """A culled island has no ESS to keep: tau_t is what the other islands alone allow (the same call without
+  that island, with the target scaled to the islands left), not 0."""
+  rng = np.random.default_rng(p + islands)
+  n = p // islands
+  previous = jnp.full((p,), -np.log(p), jnp.float32)
+  loss = jnp.asarray(rng.uniform(0, 2, size=p), jnp.float32)
+  alive = np.ones(p, bool)
+  alive[:n] = False  # island 0 culled
+  tau = pf.adaptive_temperature(previous, loss, jnp.asarray(alive), 4.0, 0.9, 0.5 * p, islands=islands)
+  rest = pf.adaptive_temperature(previous[n:], loss[n:], jnp.ones(p - n, bool), 4.0, 0.9, 0.5 * (p - n),
+                                 islands=islands - 1)
+  assert float(tau) > 0
+  np.testing.assert_allclose(tau, rest, rtol=1e-5)
+  log_w = pf.normalize(pf.update_log_weights(previous, loss, jnp.asarray(alive), tau, 0.9), islands)
+  live = np.exp(np.asarray(log_w, np.float64))[n:]
+  assert reference.island_ess(live, islands - 1) >= 0.5 * (p - n) - 1e-3  # every live island keeps the target
 
 
 def test_update_log_weights():
