@@ -17,4 +17,7 @@ def get_config():
   config.global_batch_size = 128
   config.num_train_steps = 300
   config.num_cpu_devices = 8           # show the real particle mesh on a CPU-only machine
+  config.jitter_lr = 0.3               # resample-move noise sigma = 0.3 x learning rate on resampled copies:
+                                       # measured on digits (BENCHMARKS.md, "Uncertainty"); its scale is
+                                       # absolute, so other models choose their own (the library default is 0)
   return config
