@@ -84,6 +84,7 @@ def test_exported_fused_model_reproduces_its_accuracy(run):
   logp = jax.nn.log_softmax(logits)
   nll = -float(np.mean(np.asarray(logp)[np.arange(len(data.test["label"])), data.test["label"]]))
   expected = json.load(open(workdir / "eval_results.json"))["fused_bn"]
-  assert accuracy == pytest.approx(expected["accuracy"], abs=1e-9)
+  n = len(data.test["label"])  # the same examples right: float32 and float64 fractions of n differ in the last bit
+  assert round(accuracy * n) == round(expected["accuracy"] * n)
   assert nll == pytest.approx(expected["nll"], rel=1e-4)
   assert accuracy > 0.5
