@@ -48,7 +48,7 @@ def normalize(log_w, islands: int = 1):
   rows = log_w.reshape(islands, -1)
   lse = logsumexp(rows)[:, None]
   alive = jnp.isfinite(lse)
-  share = jnp.log(jnp.maximum(jnp.sum(alive), 1).astype(log_w.dtype)) if islands > 1 else 0.0
+  share = jnp.log(jnp.maximum(jnp.sum(alive), 1).astype(log_w.dtype))  # log 1 = 0 for one island
   return jnp.where(alive, rows - lse - share, rows).reshape(log_w.shape)
 
 
@@ -59,17 +59,18 @@ def island_ess(log_w, islands: int):
   return jnp.exp(2.0 * logsumexp(rows) - logsumexp(2.0 * rows))
 
 
-def ess(log_w, islands: int = 1):
+def ess(log_w, islands: int = 1, dead: float = 0.0):
   """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights ``[P]``.
 
-  With ``islands = G``: ``G`` times the smallest island's own ESS (``island_ess``; ``0`` for an island
-  with no finite weight, which resampling must refill), so that ``ess < threshold * P`` says that some
-  island's ESS is below ``threshold * P / G``. ``G = 1``: the plain ESS.
+  With ``islands = G``: ``G`` times the smallest island's own ESS (``island_ess``; an island with no
+  finite weight counts as ``dead``: ``0`` for the resampling decision, which must refill it), so that
+  ``ess < threshold * P`` says that some island's ESS is below ``threshold * P / G``. ``G = 1``: the
+  plain ESS.
   """
   if islands == 1:
     return jnp.exp(-logsumexp(2.0 * log_w))
   own = island_ess(log_w, islands)
-  return islands * jnp.min(jnp.where(jnp.isfinite(own), own, 0.0))
+  return islands * jnp.min(jnp.where(jnp.isfinite(own), own, dead))
 
 
 def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetting: float, target_ess: float,
@@ -84,12 +85,8 @@ def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetti
     target_ess: in particles (``ess_target * P``); ``islands``: as in ``ess``, over the islands that have a
       finite weight (an island with none has no ESS for ``tau`` to keep).
   """
-  def ess_at(tau):
-    log_w = normalize(update_log_weights(previous, loss, alive, tau, forgetting), islands)
-    if islands == 1:
-      return ess(log_w)
-    own = island_ess(log_w, islands)
-    return islands * jnp.min(jnp.where(jnp.isfinite(own), own, jnp.inf))
+  def ess_at(tau):  # an island without weight has no ESS to keep: it counts as infinite
+    return ess(normalize(update_log_weights(previous, loss, alive, tau, forgetting), islands), islands, jnp.inf)
 
   def halve(_, bounds):
     lo, hi = bounds
@@ -171,8 +168,6 @@ def sources(u, log_w, islands: int = 1):
   rows = log_w.reshape(islands, n)
   own = jax.vmap(lambda row: assign_slots(systematic_resample(u, row)))(rows)
   own = own + n * jnp.arange(islands, dtype=jnp.int32)[:, None]
-  if islands == 1:
-    return own.reshape(num)
   alive = jnp.isfinite(rows).any(axis=1)
   order = (jnp.arange(islands)[:, None] + jnp.arange(islands)[None, :]) % islands  # row g: g, g + 1, ...
   donor = jnp.take_along_axis(order, jnp.argmax(alive[order], axis=1)[:, None], axis=1)[:, 0]
