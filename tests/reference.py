@@ -5,7 +5,8 @@ collectives. BatchNorm sees each particle's whole shard at once, which is what
 SyncBN over the "data" axis computes. With ``loss_scale`` (float16), the
 textbook dynamic loss scaling rule, written out: one scale for all particles. Shares only the RNG contract with the
 library: step k uses key fold_in(rng, k); the resampling uniform comes from
-fold_in(key, 0); the jitter of slot n, leaf j from fold_in(fold_in(fold_in(key, 1), n), j).
+fold_in(key, 0); the jitter of slot n is normal(fold_in(fold_in(key, 1), n), (its number of weights,))
+in float32, cut into the leaves in tree-flatten order.
 """
 from __future__ import annotations
 
@@ -252,8 +253,10 @@ class Reference:
           if src[n] != n:
             k = jax.random.fold_in(jkey, n)
             leaves, treedef = jax.tree.flatten(self.params[n])
-            leaves = [x + s.jitter * np.asarray(jax.random.normal(jax.random.fold_in(k, j), x.shape, x.dtype))
-                      for j, x in enumerate(leaves)]
+            eps = np.asarray(jax.random.normal(k, (sum(x.size for x in leaves),)))
+            ends = np.cumsum([x.size for x in leaves])
+            leaves = [x + s.jitter * eps[end - x.size:end].reshape(x.shape).astype(x.dtype)
+                      for x, end in zip(leaves, ends)]
             self.params[n] = jax.tree.unflatten(treedef, leaves)
       log_w = np.full(p, -np.log(p))
       self.num_resamples += 1
