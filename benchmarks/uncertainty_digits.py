@@ -40,6 +40,8 @@ METHODS = {
     "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
     "ipf jitter_lr=0.1": dict(mode="ipf", jitter_lr=0.1),
     "ipf jitter_lr=0.3 (the digits default)": dict(mode="ipf", jitter_lr=0.3),
+    "ipf jitter_lr=0.6": dict(mode="ipf", jitter_lr=0.6),
+    "ipf jitter_lr=1": dict(mode="ipf", jitter_lr=1.0),
     "ipf common + ess_target=0.5": dict(mode="ipf", weigh_on="common", ess_target=0.5),
     "ipf correction=0": dict(mode="ipf", correction=0.0),
     "ipf correction=0 + ess_target=0.5": dict(mode="ipf", correction=0.0, ess_target=0.5),

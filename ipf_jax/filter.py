@@ -345,11 +345,14 @@ def jitter(params, src, key, sigma: float, axis_name: str):
   slots = first + jnp.arange(num_local)
   copied = lax.dynamic_slice_in_dim(src, first, num_local) != slots
   sizes = [math.prod(x.shape[1:]) for x in leaves]
-  flat = jax.vmap(lambda slot: jax.random.normal(jax.random.fold_in(key, slot), (sum(sizes),)))(slots)
-  parts = jnp.split(flat, np.cumsum(sizes)[:-1], axis=1)
-  eps = [e.reshape(x.shape).astype(x.dtype) for e, x in zip(parts, leaves)]
-  out = [x + sigma * jnp.where(copied.reshape((-1,) + (1,) * (x.ndim - 1)), e, 0) for x, e in zip(leaves, eps)]
-  return jax.tree.unflatten(treedef, out)
+
+  def add_noise(out, j):
+    eps = jnp.split(jax.random.normal(jax.random.fold_in(key, slots[j]), (sum(sizes),)), np.cumsum(sizes)[:-1])
+    return [x.at[j].add(sigma * e.reshape(x.shape[1:]).astype(x.dtype)) for x, e in zip(out, eps)]
+
+  for j in range(num_local):  # a survivor's slot draws nothing
+    leaves = lax.cond(copied[j], lambda out, j=j: add_noise(out, j), lambda out: out, leaves)
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0, axis_name: str = "particle",
