@@ -88,6 +88,14 @@ def _flat_config(config) -> dict:
   return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in d.items()}
 
 
+def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> list[str]:
+  """``"field: saved -> now"`` for every config field whose value differs from the saved config's."""
+  saved, current = _flat_config(saved_config), _flat_config(config)
+  missing = "(absent)"
+  return [f"{k}: {saved.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in sorted(set(saved) | set(current))
+          if saved.get(k, missing) != current.get(k, missing)]
+
+
 def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
                     shapes_for: Callable[[ml_collections.ConfigDict], Signature]) -> list[str]:
   """Config fields whose saved value, put back alone into ``config``, changes the state's shapes."""

@@ -199,6 +199,10 @@ class _Run:
     state, meta = restored
     log.info("resumed from %s at step %d (written on %d device(s))", ckpt.directory / str(meta["step"]),
              int(state.step), meta["num_devices"])
+    changed = checkpoint_lib.changed_fields(meta["config"], self.config)
+    if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
+      log.warning("this run's config differs from the checkpoint's in %d field(s), and the run continues with "
+                  "this run's: %s", len(changed), "; ".join(changed))
     return state
 
   def device_batches(self, start_step: int):

@@ -1,4 +1,5 @@
 """Checkpoints: exact resume after SIGKILL, corrupt fallback, incompatible configs, resharded restore."""
+import json
 import os
 import shutil
 import signal
@@ -50,6 +51,7 @@ def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
   r = helpers.run_train_py(tmp_path, *FLAGS)
   assert r.returncode == 0, r.stdout + r.stderr
   assert f"resumed from {tmp_path / 'checkpoints' / str(max(saved))} at step {max(saved)}" in r.stdout
+  assert "config differs from the checkpoint's" not in r.stdout + r.stderr, "the same command changes nothing"
   assert_same_state(helpers.load_checkpoint_numpy(tmp_path / "checkpoints" / str(STEPS) / "state"),
                     helpers.load_checkpoint_numpy(uninterrupted / "checkpoints" / str(STEPS) / "state"))
 
@@ -134,3 +136,15 @@ def test_float16_loss_scale_survives_a_restart(tmp_path):
   restored, _ = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(dst.abstract, dst.config)
   assert_same_state(jax.device_get(restored), saved)
   assert restored.dynamic_scale.growth_interval == 3
+
+
+def test_changed_fields_lists_every_difference_from_the_saved_config():
+  saved = digits.get_config()
+  now = digits.get_config()
+  now.islands, now.num_train_steps = 2, saved.num_train_steps + 10
+  now.cnn_features = (16, 16, 32)
+  assert checkpoint_lib.changed_fields(json.loads(saved.to_json()), now) == [
+      "cnn_features: [32, 64, 128] -> [16, 16, 32]", "islands: 1 -> 2",
+      f"num_train_steps: {saved.num_train_steps} -> {saved.num_train_steps + 10}"]
+  assert checkpoint_lib.changed_fields(json.loads(saved.to_json()), saved) == []
+  assert checkpoint_lib.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> '(absent)'"]
