@@ -25,3 +25,13 @@ def make_mesh(num_particles: int, devices: Sequence[jax.Device], particle_axis_s
   dp, dd = mesh_shape(num_particles, len(devices), particle_axis_size)
   return jax.make_mesh((dp, dd), (PARTICLE, DATA), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
                        devices=list(devices))
+
+
+def one_program_at_a_time(x):
+  """On the CPU, waits for ``x``: XLA:CPU runs the collectives of several devices on one shared
+  thread pool, and with more than one collective program in flight (async dispatch) waiting
+  participants can hold every thread, so a rendezvous never completes (seen here as
+  "Termination timeout for all reduce ... Expected 8 threads"). GPUs and TPUs keep async dispatch."""
+  if jax.default_backend() == "cpu" and jax.device_count() > 1:
+    jax.block_until_ready(x)
+  return x

@@ -1,14 +1,12 @@
 """``train_and_evaluate(config, workdir)``: the training loop, progress and the final table."""
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import logging.handlers
 import os
 import sys
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import ml_collections
@@ -17,12 +15,9 @@ import numpy as np
 from ipf_jax import builder as build_lib
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
-from ipf_jax import evaluation
-from ipf_jax.data import shifts
-from ipf_jax import fusion
+from ipf_jax import final
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
-from ipf_jax import models
 from ipf_jax import optim
 from ipf_jax import preemption
 from ipf_jax import summary
@@ -30,6 +25,7 @@ from ipf_jax import workdir as workdir_lib
 from ipf_jax.data import create_dataset
 from ipf_jax.data.errors import DataError
 from ipf_jax.data import layout
+from ipf_jax.mesh import one_program_at_a_time
 from ipf_jax.preemption import RunStopped
 from ipf_jax.task import Task
 
@@ -102,16 +98,6 @@ def _fmt_time(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def one_program_at_a_time(x):
-  """On the CPU, waits for ``x``: XLA:CPU runs the collectives of several devices on one shared
-  thread pool, and with more than one collective program in flight (async dispatch) waiting
-  participants can hold every thread, so a rendezvous never completes (seen here as
-  "Termination timeout for all reduce ... Expected 8 threads"). GPUs and TPUs keep async dispatch."""
-  if jax.default_backend() == "cpu" and jax.device_count() > 1:
-    jax.block_until_ready(x)
-  return x
-
-
 def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -> int:
   """Number of skipped (non-finite) steps; with several particles, any is fatal."""
   skipped = int(state.num_skipped)
@@ -124,8 +110,9 @@ def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -
   return skipped
 
 
-class _Run:
-  """Everything a run needs, built once (shared by training and ``--eval_only``).
+class _Run(final.RunEvaluation):
+  """Everything a run needs, built once (shared by training and ``--eval_only``); its evaluations
+  and the final table are ``final.RunEvaluation``'s.
 
   Everything that can refuse the config runs before the workdir is touched. A training run then
   creates the workdir and holds its lock (process 0) until ``close()``; a reading run
@@ -139,21 +126,7 @@ class _Run:
     self.config, self.workdir, self.lock = config, workdir, None
     setup_logging(None)
     self.dataset = data if data is not None else create_dataset(config)
-    self.calibration = None
-    if config.calibration_fraction:
-      if getattr(self.dataset, "calibration", None) is None:
-        if not hasattr(self.dataset, "holdout"):
-          raise configuration.ConfigError(
-              "calibration_fraction", f"the data {self.dataset.name!r} cannot hold out part of its train split "
-              "(in-memory datasets can: digits, ArrayDataset); set it to 0")
-        self.dataset = self.dataset.holdout(config.calibration_fraction)
-      self.calibration = self.dataset.calibration
-    if data is not None and (config.eval_shifts or config.ood_dataset):
-      raise configuration.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
-                                      "the shifted and OOD sets are those of config.dataset's built-in data; with "
-                                      "your own data, evaluate your own sets (evaluation.evaluate); set it to ''")
-    self.shift_sets = shifts.eval_sets(config, self.dataset)
-    self.ood = shifts.ood_set(config, self.dataset)
+    self.prepare_eval_sets(data_given=data is not None)
     configuration.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
@@ -209,82 +182,6 @@ class _Run:
     """This run's train batches from ``start_step``, laid out and placed on the devices."""
     return (layout.put_train_batch(b, self.spec.num_particles, self.mesh, self.dataset.process_local)
             for b in self.dataset.train_batches(start_step, self.config.global_batch_size, self.config.seed))
-
-  def fused_bn(self, state, interrupted: Callable[[], bool] = lambda: False):
-    """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
-    (the first ones of the run's data order), or ``None`` when that is 0."""
-    n = self.config.fused_bn_batches
-    if not n:
-      return None
-    return fusion.reestimate_bn(self.parts.fused_bn_fn, state, itertools.islice(self.device_batches(0), n),
-                                one_program_at_a_time, interrupted)
-
-  def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False, source=None) -> dict:
-    """Metrics on the test set (or ``source``'s). Each process reads its own part of the set when the
-    source can (``eval_process_local``)."""
-    source = self.dataset if source is None else source
-    local = getattr(source, "eval_process_local", False)
-    size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh)
-    self.eval_read = 0
-
-    def counted(batches):
-      for batch in batches:
-        self.eval_read += len(next(iter(batch.values())))
-        yield batch
-    return evaluation.evaluate(self.task, self.parts.eval_step, state,
-                               counted(source.eval_batches(per_process if local else size)),
-                               self.config.eval_batch_size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
-                               process_local=local)
-
-  def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
-    """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
-    the train split, each shifted set (``evaluation.brief``) and OOD AUROC."""
-    more = {}
-    if self.calibration is not None:
-      more["temperature_scaled"] = evaluation.temperature_scaled(
-          self.evaluate(state, fused_bn, interrupted, self.calibration), results)
-      more["calibration_examples"] = self.calibration.test_size
-    if self.shift_sets:
-      more["shifts"] = {name: evaluation.brief(self.evaluate(state, fused_bn, interrupted, source))
-                        for name, source in self.shift_sets.items()}
-    if self.ood is not None:
-      more["ood"] = evaluation.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, self.ood))
-      more["ood_dataset"] = self.ood.name
-    return more
-
-  def finish(self, state, writer=None, suffix: str = "",
-             interrupted: Callable[[], bool] = lambda: False) -> dict:
-    """Final evaluation table, ``eval_results{suffix}.json`` and the exported fused model
-    ``fused_model{suffix}`` (with re-estimated BatchNorm statistics when ``fused_bn_batches`` > 0).
-    A file that cannot be written (full disk) is reported and skipped: the table is already printed."""
-    fused_bn = self.fused_bn(state, interrupted)
-    results = self.evaluate(state, fused_bn, interrupted)
-    read = self.eval_read
-    results.update(self.evaluate_more(state, results, fused_bn, interrupted))
-    step = int(state.step)
-    size = self.dataset.test_size
-    extras = evaluation.format_extras(results, self.task.columns)
-    log.info("final evaluation at step %d on %s %s test examples%s:\n%s%s", step, size if size else "the",
-             self.dataset.name, f" (process 0 read {read}: each process reads its own part)"
-             if jax.process_count() > 1 and read != size else "",
-             evaluation.format_table(results, self.task.columns, self.spec.shared_init),
-             "\n" + extras if extras else "")
-    variables, _ = self.parts.fuse(state)
-    if fused_bn is not None:
-      variables = {**variables, "batch_stats": fused_bn}
-    if writer is not None:
-      writer.eval_results(step, results)
-    if jax.process_index() == 0:
-      path = os.path.join(self.workdir, f"eval_results{suffix}.json")
-      try:
-        workdir_lib.write_atomic(path, json.dumps(
-            {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
-        fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
-        fusion.export_fused(variables, os.path.join(self.workdir, f"fused_model{suffix}"), fields)
-      except OSError as e:
-        log.error("could not write %s or the fused model (%s; %s)", path, e.strerror or e,
-                  workdir_lib.free_space(self.workdir))
-    return results
 
   def close(self) -> None:
     if self.lock is not None:

@@ -62,7 +62,7 @@ class Setup:
     self.model = self.task.model
     self.plain_model = create_model(config, 10, bn_axis_name=None)
     self.state = self.parts.init_state()
-    # One collective program in flight at a time on fake CPU devices (see trainer.one_program_at_a_time).
+    # One collective program in flight at a time on fake CPU devices (see mesh.one_program_at_a_time).
     self.train_step = lambda state, batch: jax.block_until_ready(self.parts.train_step(state, batch))
 
   def put(self, images, labels):

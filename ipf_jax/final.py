@@ -1,0 +1,125 @@
+"""A run's evaluations: the test set and what the config adds (temperature scaling fitted on a held-out
+part of the train split, the shifted sets, OOD AUROC), the final table, ``eval_results.json`` and the
+exported fused model. ``trainer._Run`` is a ``RunEvaluation``."""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+
+from ipf_jax import configuration
+from ipf_jax import evaluation
+from ipf_jax import fusion
+from ipf_jax import models
+from ipf_jax import workdir as workdir_lib
+from ipf_jax.data import layout
+from ipf_jax.data import shifts
+from ipf_jax.mesh import one_program_at_a_time
+
+log = logging.getLogger("ipf_jax")
+
+
+class RunEvaluation:
+  """The evaluating half of a run. Uses the run's ``config``, ``dataset``, ``task``, ``parts``, ``mesh``,
+  ``spec``, ``workdir``, ``zoo`` (the task is the config's) and ``device_batches``."""
+
+  def prepare_eval_sets(self, data_given: bool) -> None:
+    """``calibration`` (held out of ``dataset``'s train split), ``shift_sets`` and ``ood``, as the config asks.
+    Shifted and OOD sets are the built-in data's: refused with data you pass (``data_given``)."""
+    config = self.config
+    self.calibration = None
+    if config.calibration_fraction:
+      if getattr(self.dataset, "calibration", None) is None:
+        if not hasattr(self.dataset, "holdout"):
+          raise configuration.ConfigError(
+              "calibration_fraction", f"the data {self.dataset.name!r} cannot hold out part of its train split "
+              "(in-memory datasets can: digits, ArrayDataset); set it to 0")
+        self.dataset = self.dataset.holdout(config.calibration_fraction)
+      self.calibration = self.dataset.calibration
+    if data_given and (config.eval_shifts or config.ood_dataset):
+      raise configuration.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
+                                      "the shifted and OOD sets are those of config.dataset's built-in data; with "
+                                      "your own data, evaluate your own sets (evaluation.evaluate); set it to ''")
+    self.shift_sets = shifts.eval_sets(config, self.dataset)
+    self.ood = shifts.ood_set(config, self.dataset)
+
+  def fused_bn(self, state, interrupted: Callable[[], bool] = lambda: False):
+    """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
+    (the first ones of the run's data order), or ``None`` when that is 0."""
+    n = self.config.fused_bn_batches
+    if not n:
+      return None
+    return fusion.reestimate_bn(self.parts.fused_bn_fn, state, itertools.islice(self.device_batches(0), n),
+                                one_program_at_a_time, interrupted)
+
+  def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False, source=None) -> dict:
+    """Metrics on the test set (or ``source``'s). Each process reads its own part of the set when the
+    source can (``eval_process_local``)."""
+    source = self.dataset if source is None else source
+    local = getattr(source, "eval_process_local", False)
+    size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh)
+    self.eval_read = 0
+
+    def counted(batches):
+      for batch in batches:
+        self.eval_read += len(next(iter(batch.values())))
+        yield batch
+    return evaluation.evaluate(self.task, self.parts.eval_step, state,
+                               counted(source.eval_batches(per_process if local else size)),
+                               self.config.eval_batch_size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
+                               process_local=local)
+
+  def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
+    """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
+    the train split, each shifted set (``evaluation.brief``) and OOD AUROC."""
+    more = {}
+    if self.calibration is not None:
+      more["temperature_scaled"] = evaluation.temperature_scaled(
+          self.evaluate(state, fused_bn, interrupted, self.calibration), results)
+      more["calibration_examples"] = self.calibration.test_size
+    if self.shift_sets:
+      more["shifts"] = {name: evaluation.brief(self.evaluate(state, fused_bn, interrupted, source))
+                        for name, source in self.shift_sets.items()}
+    if self.ood is not None:
+      more["ood"] = evaluation.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, self.ood))
+      more["ood_dataset"] = self.ood.name
+    return more
+
+  def finish(self, state, writer=None, suffix: str = "",
+             interrupted: Callable[[], bool] = lambda: False) -> dict:
+    """Final evaluation table, ``eval_results{suffix}.json`` and the exported fused model
+    ``fused_model{suffix}`` (with re-estimated BatchNorm statistics when ``fused_bn_batches`` > 0).
+    A file that cannot be written (full disk) is reported and skipped: the table is already printed."""
+    fused_bn = self.fused_bn(state, interrupted)
+    results = self.evaluate(state, fused_bn, interrupted)
+    read = self.eval_read
+    results.update(self.evaluate_more(state, results, fused_bn, interrupted))
+    step = int(state.step)
+    size = self.dataset.test_size
+    extras = evaluation.format_extras(results, self.task.columns)
+    log.info("final evaluation at step %d on %s %s test examples%s:\n%s%s", step, size if size else "the",
+             self.dataset.name, f" (process 0 read {read}: each process reads its own part)"
+             if jax.process_count() > 1 and read != size else "",
+             evaluation.format_table(results, self.task.columns, self.spec.shared_init),
+             "\n" + extras if extras else "")
+    variables, _ = self.parts.fuse(state)
+    if fused_bn is not None:
+      variables = {**variables, "batch_stats": fused_bn}
+    if writer is not None:
+      writer.eval_results(step, results)
+    if jax.process_index() == 0:
+      path = os.path.join(self.workdir, f"eval_results{suffix}.json")
+      try:
+        workdir_lib.write_atomic(path, json.dumps(
+            {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
+        fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
+        fusion.export_fused(variables, os.path.join(self.workdir, f"fused_model{suffix}"), fields)
+      except OSError as e:
+        log.error("could not write %s or the fused model (%s; %s)", path, e.strerror or e,
+                  workdir_lib.free_space(self.workdir))
+    return results
