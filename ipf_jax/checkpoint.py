@@ -22,17 +22,12 @@ Restoring tells three cases apart and never guesses:
 """
 from __future__ import annotations
 
-import contextlib
 import errno
-import gc
-import io
 import json
 import logging
 import os
 import re
 import shutil
-import sys
-import time
 from typing import Callable, Optional
 
 import jax
@@ -41,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ipf_jax import quiet
 from ipf_jax import workdir as workdir_lib
 
 log = logging.getLogger("ipf_jax")
@@ -209,7 +205,7 @@ class Checkpointer:
     self.keep, self.async_save, self.read_only, self.data_name = keep, async_save, read_only, data_name
     self._manager = None  # created at the first save: a run that is refused creates nothing
     self._pending: Optional[int] = None  # step of the save in flight
-    self._quarantine = _Quarantine()
+    self._quarantine = quiet.Quarantine()
     self._failed = False
 
   # ---- listing -------------------------------------------------------------------------------
@@ -337,7 +333,7 @@ class Checkpointer:
   def _read(self, step: int):
     """``(meta, saved signature)`` of one checkpoint, or ``(None, reason)`` if its files cannot be read."""
     path = self.directory / str(step)
-    with _contained_stderr():
+    with quiet.contained_stderr():
       try:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
           meta = ckptr.restore(path / "meta")
@@ -415,13 +411,13 @@ class Checkpointer:
   def _restore(self, step: int, abstract_state):
     """``(state, None)``, or ``(None, reason)`` when the checkpoint's files cannot be read."""
     where = self.directory / str(step)
-    with _contained_stderr():
+    with quiet.contained_stderr():
       try:
         with ocp.StandardCheckpointer() as ckptr:
           return ckptr.restore(where / "state", abstract_state), None
       except Exception as e:  # noqa: BLE001
         why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-      _settle()
+      quiet.settle()
     if why is None:
       raise CheckpointError(f"cannot restore {where}: {text}. The checkpoint was left as it is.")
     return None, why
@@ -441,76 +437,6 @@ class Checkpointer:
     log.error("moved the unreadable checkpoint %s to %s (kept, never deleted): training writes step %d again",
               path, aside.name, step)
     _sync(f"ipf_jax_set_aside_{step}")
-
-
-@contextlib.contextmanager
-def _contained_stderr():
-  """Holds back what orbax prints while a restore fails (see ``_settle``)."""
-  stderr, hook = sys.stderr, sys.unraisablehook
-  sys.stderr, sys.unraisablehook = io.StringIO(), lambda *args: None
-  try:
-    yield
-  finally:
-    sys.stderr, sys.unraisablehook = stderr, hook
-
-
-def _settle(seconds: float = 2.0) -> None:
-  """Lets a failed restore's leftovers finish inside ``_contained_stderr``.
-
-  orbax gathers one TensorStore read per array; when one fails, the others
-  finish on an event loop that is already closed and each prints a traceback
-  from TensorStore's threads, and each abandoned coroutine an "Exception
-  ignored" when collected: thousands of lines for one damaged file, where the
-  run reports one.
-  """
-  time.sleep(seconds)
-  gc.collect()
-
-
-_QUIET_BACKGROUND_FAILURES = [False]
-
-
-def quiet_background_failures(enabled: bool = True) -> None:
-  """The command line's choice (``cli.main``): hold stderr back while a background save is in flight
-  (see ``_Quarantine``). Off for library use: a notebook or script keeps its stderr as it is."""
-  _QUIET_BACKGROUND_FAILURES[0] = enabled
-
-
-class _Quarantine:
-  """stderr held back while a background save is in flight (command-line runs only).
-
-  When a save fails (a full disk), orbax's remaining writers each print a
-  traceback from their threads, and each abandoned coroutine another when it
-  is collected: thousands of lines around the one the run reports. While a
-  save is in flight, stderr goes to a buffer; once it is committed the buffer
-  is written out (nothing is lost, only delayed); if it fails, the buffer and
-  everything after it are dropped, and the run's own messages go to stdout and
-  ``sys.__stderr__``. Where something else already owns ``sys.stderr`` (a
-  notebook, pytest), nothing is changed.
-  """
-
-  def __init__(self):
-    self._buffer = None
-
-  def begin(self) -> None:
-    if self._buffer is None and _QUIET_BACKGROUND_FAILURES[0] and sys.stderr is sys.__stderr__:
-      self._buffer = io.StringIO()
-      sys.stderr = self._buffer
-
-  def release(self) -> None:
-    if self._buffer is not None and sys.stderr is self._buffer:
-      sys.stderr = sys.__stderr__
-      sys.stderr.write(self._buffer.getvalue())
-    self._buffer = None
-
-  def keep(self) -> None:
-    """For good: the rest of the process's stderr is dropped (the command line prints its last line to
-    ``sys.__stderr__``)."""
-    if self._buffer is None and _QUIET_BACKGROUND_FAILURES[0] and sys.stderr is sys.__stderr__:
-      self._buffer = io.StringIO()
-      sys.stderr = self._buffer
-    if self._buffer is not None:
-      sys.unraisablehook = lambda *args: None
 
 
 def _everywhere(ok: bool) -> bool:

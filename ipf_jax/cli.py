@@ -25,6 +25,7 @@ from ipf_jax import checkpoint
 from ipf_jax import cluster
 from ipf_jax import configuration
 from ipf_jax import preemption
+from ipf_jax import quiet
 from ipf_jax import trainer
 from ipf_jax import workdir
 from ipf_jax.data.errors import DataError
@@ -135,7 +136,7 @@ def main(argv):
   # Failures reach the user as one line each; orbax's and asyncio's own tracebacks of them would bury it.
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
-  checkpoint.quiet_background_failures()  # and those of a background save that fails (a full disk)
+  quiet.quiet_background_failures()  # and those of a background save that fails (a full disk)
   trainer.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
   watch = cluster.start(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                         startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
