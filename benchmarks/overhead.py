@@ -9,7 +9,7 @@ table and ``SUMMARY {json}``.
 
 1. ipf without a resample / ensemble (with and without the correction, with the
    elastic pull); ipf resampling every step / ensemble, with the digits config's
-   resample-move noise (jitter_lr=0.3) and without it; amortised over the
+   resample-move noise (its jitter_lr) and without it; amortised over the
    digits run's measured resampling rate.
 2. ddp (one particle) / a minimal hand-written jitted data-parallel step.
 3. particles per device L = 1, 2, 4: per-example cost relative to L = 1, for

@@ -84,11 +84,20 @@ def _flat_config(config) -> dict:
   return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in d.items()}
 
 
+# Fields that say how a run is run (logging, saving, devices, what the evaluation adds), not what it trains:
+# a resume may change them without a word. Any other difference is listed (``changed_fields``).
+HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every_steps", "checkpoint_every_minutes",
+                        "time_limit_minutes", "keep_checkpoints", "async_checkpointing", "data_dir",
+                        "eval_batch_size", "eval_shifts", "ood_dataset", "fused_bn_batches", "particle_loop",
+                        "num_devices", "particle_axis_size", "num_cpu_devices"})
+
+
 def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> list[str]:
-  """``"field: saved -> now"`` for every config field whose value differs from the saved config's."""
-  saved, current = _flat_config(saved_config), _flat_config(config)
-  missing = "(absent)"
-  return [f"{k}: {saved.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in sorted(set(saved) | set(current))
+  """``"field: saved -> now"`` for every field outside ``HOW_FIELDS`` whose value differs from the saved
+  config's (a field one of them lacks: ``absent``)."""
+  saved, current, missing = _flat_config(saved_config), _flat_config(config), object()
+  shown = lambda d, k: repr(d[k]) if k in d else "absent"
+  return [f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted((set(saved) | set(current)) - HOW_FIELDS)
           if saved.get(k, missing) != current.get(k, missing)]
 
 
@@ -393,16 +402,18 @@ class Checkpointer:
         f"--workdir (or move {self.directory} away).")
 
   def check_latest(self, abstract_state, config: ml_collections.ConfigDict,
-                   shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None) -> Optional[int]:
-    """``--dry_run``: the step ``restore_latest`` would resume from, after the same compatibility check,
-    from the checkpoints' metadata only (nothing restored, moved or written); ``None``: no checkpoint."""
+                   shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None
+                   ) -> Optional[tuple[int, dict]]:
+    """``--dry_run``: the step ``restore_latest`` would resume from and its saved config, after the same
+    compatibility check, from the checkpoints' metadata only (nothing restored, moved or written);
+    ``None``: no checkpoint."""
     current = signature(abstract_state)
     for step in reversed(self.steps()):
       meta, saved_or_why = self._read(step)
       if meta is not None:
         check_compatible(saved_or_why, meta["config"], current, config, str(self.directory / str(step)), shapes_for,
                          meta.get("data"), self.data_name)
-        return step
+        return step, meta["config"]
     if self.steps() or self.set_aside():
       raise CheckpointError(f"no checkpoint in {self.directory} can be read: a run would stop here. Nothing was "
                             "changed.")

@@ -346,12 +346,15 @@ def jitter(params, src, key, sigma: float, axis_name: str):
   copied = lax.dynamic_slice_in_dim(src, first, num_local) != slots
   sizes = [math.prod(x.shape[1:]) for x in leaves]
 
-  def add_noise(out, j):
+  def add_noise(j, out):
     eps = jnp.split(jax.random.normal(jax.random.fold_in(key, slots[j]), (sum(sizes),)), np.cumsum(sizes)[:-1])
-    return [x.at[j].add(sigma * e.reshape(x.shape[1:]).astype(x.dtype)) for x, e in zip(out, eps)]
+    return [lax.dynamic_update_index_in_dim(
+        x, lax.dynamic_index_in_dim(x, j, keepdims=False) + (sigma * e.reshape(x.shape[1:])).astype(x.dtype), j, 0)
+            for x, e in zip(out, eps)]
 
-  for j in range(num_local):  # a survivor's slot draws nothing
-    leaves = lax.cond(copied[j], lambda out, j=j: add_noise(out, j), lambda out: out, leaves)
+  # A survivor's slot draws nothing; one loop body (not one cond per slot) keeps the compile time flat in L.
+  leaves = lax.fori_loop(0, num_local, lambda j, out: lax.cond(copied[j], add_noise, lambda j, out: out, j, out),
+                         leaves)
   return jax.tree.unflatten(treedef, leaves)
 
 

@@ -21,7 +21,7 @@ def contained_stderr():
 
 
 def settle(seconds: float = 2.0) -> None:
-  """Lets a failed restore's leftovers finish inside ``_contained_stderr``.
+  """Lets a failed restore's leftovers finish inside ``contained_stderr``.
 
   orbax gathers one TensorStore read per array; when one fails, the others
   finish on an event loop that is already closed and each prints a traceback

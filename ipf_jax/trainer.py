@@ -1,4 +1,5 @@
-"""``train_and_evaluate(config, workdir)``: the training loop, progress and the final table."""
+"""``train_and_evaluate(config, workdir)``: a run's assembly, resume, the training loop and progress (its
+evaluations: ``run_eval.RunEvaluation``)."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ import numpy as np
 from ipf_jax import builder as build_lib
 from ipf_jax import checkpoint as checkpoint_lib
 from ipf_jax import configuration
-from ipf_jax import final
+from ipf_jax import run_eval
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import metrics as metrics_lib
 from ipf_jax import optim
@@ -110,9 +111,9 @@ def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -
   return skipped
 
 
-class _Run(final.RunEvaluation):
+class _Run(run_eval.RunEvaluation):
   """Everything a run needs, built once (shared by training and ``--eval_only``); its evaluations
-  and the final table are ``final.RunEvaluation``'s.
+  and the final table are ``run_eval.RunEvaluation``'s.
 
   Everything that can refuse the config runs before the workdir is touched. A training run then
   creates the workdir and holds its lock (process 0) until ``close()``; a reading run
@@ -123,7 +124,7 @@ class _Run(final.RunEvaluation):
                task: Optional[Task] = None, data=None, check_only: bool = False):
     setup_devices(config)
     configuration.validate(config, jax.device_count())
-    self.config, self.workdir, self.lock = config, workdir, None
+    self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
     self.dataset = data if data is not None else create_dataset(config)
     self.prepare_eval_sets(data_given=data is not None)
@@ -174,8 +175,8 @@ class _Run(final.RunEvaluation):
              int(state.step), meta["num_devices"])
     changed = checkpoint_lib.changed_fields(meta["config"], self.config)
     if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
-      log.warning("this run's config differs from the checkpoint's in %d field(s), and the run continues with "
-                  "this run's: %s", len(changed), "; ".join(changed))
+      log.warning("this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",
+                  len(changed), "training continues" if self.for_training else "it is evaluated", "; ".join(changed))
     return state
 
   def device_batches(self, start_step: int):
@@ -205,7 +206,9 @@ def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool =
     if config.checkpoint_every_steps < 0:
       _refuse_to_overwrite(workdir)
   reads = eval_only or config.checkpoint_every_steps >= 0  # checkpoint_every_steps=-1 never resumes
-  step = ckpt.check_latest(run.parts.abstract_state, config, shapes_for=run.state_signature) if reads else None
+  latest = ckpt.check_latest(run.parts.abstract_state, config, shapes_for=run.state_signature) if reads else None
+  step, saved_config = latest if latest is not None else (None, None)
+  changed = checkpoint_lib.changed_fields(saved_config, config) if saved_config is not None else []
   epoch = f" ({run.total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" \
       if run.steps_per_epoch else ""
   if eval_only:
@@ -223,8 +226,9 @@ def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool =
   warmup = optim.train_steps(config, run.steps_per_epoch or 1)[1]
   return (f"dry run: config, devices, data and --workdir {workdir} checked. Data {run.dataset.name!r}: "
           f"{run.dataset.train_size} train / {run.dataset.test_size} test examples; {config.global_batch_size} per "
-          f"step{accum}; learning rate peaks at {float(run.lr_fn(warmup)):.4g}. It would {action}. Nothing was "
-          "written.")
+          f"step{accum}; learning rate peaks at {float(run.lr_fn(warmup)):.4g}. It would {action}"
+          + (f", with this run's values of the {len(changed)} config field(s) that differ from the checkpoint's "
+             f"({'; '.join(changed)})" if changed else "") + ". Nothing was written.")
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None,

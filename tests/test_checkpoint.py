@@ -142,9 +142,20 @@ def test_changed_fields_lists_every_difference_from_the_saved_config():
   saved = digits.get_config()
   now = digits.get_config()
   now.islands, now.num_train_steps = 2, saved.num_train_steps + 10
-  now.cnn_features = (16, 16, 32)
+  now.cnn_features, now.log_every_steps, now.num_cpu_devices = (16, 16, 32), 1, 2  # the last two: HOW_FIELDS
   assert checkpoint_lib.changed_fields(json.loads(saved.to_json()), now) == [
       "cnn_features: [32, 64, 128] -> [16, 16, 32]", "islands: 1 -> 2",
       f"num_train_steps: {saved.num_train_steps} -> {saved.num_train_steps + 10}"]
   assert checkpoint_lib.changed_fields(json.loads(saved.to_json()), saved) == []
-  assert checkpoint_lib.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> '(absent)'"]
+  assert checkpoint_lib.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> absent"]
+
+
+def test_a_rerun_with_other_values_says_which_before_it_does_anything(uninterrupted):
+  """``--dry_run`` on a finished run with another learning rate and retention: the plan names the field that
+  decides what is trained, not the one that says how the run is run."""
+  base_lr = digits.get_config().base_lr
+  r = helpers.run_train_py(uninterrupted, *FLAGS, f"--config.base_lr={base_lr / 2}", "--config.keep_checkpoints=9",
+                           "--dry_run")
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert (f"with this run's values of the 1 config field(s) that differ from the checkpoint's "
+          f"(base_lr: {base_lr!r} -> {base_lr / 2!r})") in r.stdout + r.stderr

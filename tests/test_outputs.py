@@ -64,6 +64,7 @@ def test_eval_only_prints_the_final_table(run):
   r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--config.fused_bn_batches=4", "--eval_only")
   assert r.returncode == 0, r.stdout + r.stderr
   assert f"resumed from {workdir / 'checkpoints' / str(STEPS)}" in r.stdout
+  assert "differs from the checkpoint's" not in r.stdout, "fused_bn_batches says how to evaluate, not what to train"
   assert table(r.stdout) == table(out)
 
 
