@@ -1,6 +1,6 @@
 """Uncertainty on digits at equal compute (issue: Uncertainty): clean, corrupted, OOD, diversity.
 
-  python -m benchmarks.uncertainty_digits [--seeds 5] [--steps 300] [--methods ddp,ensemble,...]
+  python -m benchmarks.uncertainty_digits [--seeds 5] [--steps 300] [--methods ddp,ensemble,...] [--variants full]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits CNN, global batch 128 and
 the same number of steps for every method (equal compute: every method trains
@@ -51,6 +51,9 @@ METHODS = {
     "ipf correction=0 + islands=2 + jitter_lr=0.1": dict(mode="ipf", correction=0.0, islands=2, jitter_lr=0.1),
     "ipf correction=0 + islands=2 + jitter_lr=0.3": dict(mode="ipf", correction=0.0, islands=2, jitter_lr=0.3),
     "ipf correction=0 + jitter_lr=0.3": dict(mode="ipf", correction=0.0, jitter_lr=0.3),
+    "ipf correction=0 + islands=2 + init=independent": dict(mode="ipf", correction=0.0, islands=2, init="independent"),
+    "ipf correction=0 + islands=4 + init=independent (ess_threshold=0.9)": dict(
+        mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.9),
     "seed recipe (rho=0; lr sqrt(world P))": dict(mode="ipf", forgetting=0.0, lr_scaling="seed"),
 }
 VARIANTS = {"full": dict(), "harder (20% + 20% noise)": dict(train_fraction=0.2, label_noise=0.2)}
@@ -85,12 +88,13 @@ def run_one(method, variant, seed, steps, workdir, base=None):
 
 def main():
   parser = study_parser(__doc__, seeds=5, methods=tuple(METHODS))
+  parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma list of: " + ", ".join(VARIANTS))
   args = parser.parse_args()
   logging.getLogger("ipf_jax").disabled = True
   jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
   table = {}
   with tempfile.TemporaryDirectory() as tmp:
-    for variant in VARIANTS:
+    for variant in args.variants.split(","):
       for method in args.methods.split(","):
         runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"),
                         base_overrides(args)) for seed in range(args.seeds)]
