@@ -120,8 +120,9 @@ class Reference:
 
   def __init__(self, model, tx, spec, params, batch_stats, opt_state, log_weights, rng, shared=None,
                shared_opt_state=None, shared_pattern="", loss_scale=None, growth_interval=2000,
-               minimum_scale=1.0):
+               minimum_scale=1.0, lr_fn=None):
     self.spec = spec
+    self.lr_fn = lr_fn  # spec.jitter_lr: the copies' noise is jitter + jitter_lr * lr_fn(step)
     self.accum_steps = spec.accum_steps
     self.tx = tx
     self.rng = rng
@@ -247,7 +248,8 @@ class Reference:
       self.params = [self.params[a] for a in src]
       self.batch_stats = [self.batch_stats[a] for a in src]
       self.opt_state = [self.opt_state[a] for a in src]
-      if s.jitter:
+      sigma = s.jitter + (s.jitter_lr * float(self.lr_fn(self.step)) if s.jitter_lr else 0.0)
+      if sigma:
         jkey = jax.random.fold_in(key, 1)
         for n in range(p):
           if src[n] != n:
@@ -255,7 +257,7 @@ class Reference:
             leaves, treedef = jax.tree.flatten(self.params[n])
             eps = np.asarray(jax.random.normal(k, (sum(x.size for x in leaves),)))
             ends = np.cumsum([x.size for x in leaves])
-            leaves = [x + s.jitter * eps[end - x.size:end].reshape(x.shape).astype(x.dtype)
+            leaves = [x + (sigma * eps[end - x.size:end].reshape(x.shape)).astype(x.dtype)
                       for x, end in zip(leaves, ends)]
             self.params[n] = jax.tree.unflatten(treedef, leaves)
       log_w = np.full(p, -np.log(p))

@@ -32,7 +32,7 @@ def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=No
                                    "minimum_scale": ds.minimum_scale}
   ref = Reference(s.plain_model, s.tx, s.spec, init.params, init.batch_stats, init.opt_state, init.log_weights,
                   init.rng, shared=init.shared_params, shared_opt_state=init.shared_opt_state,
-                  shared_pattern=config.shared_params, **scaling)
+                  shared_pattern=config.shared_params, lr_fn=s.parts.lr_fn, **scaling)
   spmd_records, ref_records = [], []
   for images, labels in helpers.particle_batches(config.num_particles, num_steps):
     s.state, m = s.train_step(s.state, s.put(images, labels))
@@ -93,9 +93,10 @@ def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
 @pytest.mark.parametrize("dp,dd,p,islands", [(4, 2, 8, 2), (2, 4, 4, 2), (8, 1, 8, 8)])
 def test_islands_match_reference(dp, dd, p, islands):
   """islands=G: weights normalised per island, each island resampled within itself; G = P with a culled
-  particle: its island (itself) takes the next island's particle."""
+  particle: its island (itself) takes the next island's particle. The copies' noise follows the learning rate
+  (``jitter_lr``: a traced sigma)."""
   config = helpers.tiny_config(num_particles=p, islands=islands, temperature=4.0, forgetting=0.8, correction=0.5,
-                               ess_threshold=0.9, jitter=1e-3)
+                               ess_threshold=0.9, jitter=1e-3, jitter_lr=0.01)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4, poison=1 if islands == p else None)
   n = p // islands
   moved = 0
