@@ -6,7 +6,8 @@ Writes training_curves.png (per-particle loss; float16: the loss scale), weights
 over time, resampling events marked), genealogy.png (which slot descends from
 which at each resampling) and eval.png (the task's metrics, e.g. accuracy, NLL
 and ECE, of every particle, the ensembles and the fused model at the last
-evaluation); from the final evaluation's eval_results.json (classification):
+evaluation); from the final evaluation's eval_results.json (classification; a run that did not
+finish: the newest eval_results.step<N>.json of --eval_only):
 calibration.png (reliability diagrams, accuracy against coverage) and, when
 the run evaluated shifted sets, shifts.png (accuracy and ECE per severity).
 """
@@ -169,10 +170,21 @@ def plot_eval(scalars, path, plt):
   plt.close(fig)
 
 
-def read_results(workdir: str) -> dict | None:
-  """The run's ``eval_results.json`` (the final evaluation), or ``None``."""
+def results_path(workdir: str) -> str | None:
+  """The run's ``eval_results.json`` (its final evaluation) or, when it has none (a run that did not finish),
+  the newest ``eval_results.step<N>.json`` that ``--eval_only`` wrote; ``None``: neither."""
   path = os.path.join(workdir, "eval_results.json")
-  if not os.path.exists(path):
+  if os.path.exists(path):
+    return path
+  steps = [(int(m.group(1)), name) for name in os.listdir(workdir)
+           if (m := re.fullmatch(r"eval_results\.step(\d+)\.json", name))]
+  return os.path.join(workdir, max(steps)[1]) if steps else None
+
+
+def read_results(workdir: str) -> dict | None:
+  """The evaluation ``results_path`` names, or ``None``."""
+  path = results_path(workdir)
+  if path is None:
     return None
   with open(path) as f:
     return json.load(f)

@@ -89,3 +89,15 @@ def test_exported_fused_model_reproduces_its_accuracy(run):
   assert round(accuracy * n) == round(expected["accuracy"] * n)
   assert nll == pytest.approx(expected["nll"], rel=1e-4)
   assert accuracy > 0.5
+
+
+def test_report_reads_eval_only_results_of_a_run_that_did_not_finish(tmp_path):
+  """No eval_results.json: the newest eval_results.step<N>.json (by step, not by name); once the run finishes,
+  its own."""
+  assert report.results_path(str(tmp_path)) is None
+  for step in (5, 20, 100):
+    (tmp_path / f"eval_results.step{step}.json").write_text(f'{{"step": {step}}}')
+  (tmp_path / "eval_results.step7.json.tmp").write_text("{}")
+  assert report.read_results(str(tmp_path)) == {"step": 100}
+  (tmp_path / "eval_results.json").write_text('{"step": 300}')
+  assert report.read_results(str(tmp_path)) == {"step": 300}
