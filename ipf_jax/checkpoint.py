@@ -85,7 +85,8 @@ def _flat_config(config) -> dict:
 
 
 # Fields that say how a run is run (logging, saving, devices, what the evaluation adds), not what it trains:
-# a resume may change them without a word. Any other difference is listed (``changed_fields``).
+# a resume may change them without a word. Another mesh or loop changes results only by float rounding (the
+# resume line says on how many devices the checkpoint was written). Any other difference is listed.
 HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every_steps", "checkpoint_every_minutes",
                         "time_limit_minutes", "keep_checkpoints", "async_checkpointing", "data_dir",
                         "eval_batch_size", "eval_shifts", "ood_dataset", "fused_bn_batches", "particle_loop",

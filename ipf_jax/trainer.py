@@ -168,11 +168,12 @@ class _Run(run_eval.RunEvaluation):
     """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""
     restored = ckpt.restore_latest(self.parts.abstract_state, self.config, shapes_for=self.state_signature)
     if restored is None:
-      log.info("starting a new run: no checkpoint in %s", ckpt.directory)
+      if self.for_training:  # --eval_only stops with its own error
+        log.info("starting a new run: no checkpoint in %s", ckpt.directory)
       return None
     state, meta = restored
-    log.info("resumed from %s at step %d (written on %d device(s))", ckpt.directory / str(meta["step"]),
-             int(state.step), meta["num_devices"])
+    log.info("%s %s at step %d (written on %d device(s))", "resumed from" if self.for_training else "evaluating",
+             ckpt.directory / str(meta["step"]), int(state.step), meta["num_devices"])
     changed = checkpoint_lib.changed_fields(meta["config"], self.config)
     if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
       log.warning("this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",

@@ -63,14 +63,15 @@ def test_eval_only_prints_the_final_table(run):
   workdir, out = run
   r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--config.fused_bn_batches=4", "--eval_only")
   assert r.returncode == 0, r.stdout + r.stderr
-  assert f"resumed from {workdir / 'checkpoints' / str(STEPS)}" in r.stdout
-  assert "differs from the checkpoint's" not in r.stdout, "fused_bn_batches says how to evaluate, not what to train"
+  assert f"evaluating {workdir / 'checkpoints' / str(STEPS)} at step {STEPS}" in r.stdout
+  assert "resumed from" not in r.stdout and "differs from the checkpoint's" not in r.stdout, "fused_bn_batches says how to evaluate, not what to train"
   assert table(r.stdout) == table(out)
 
 
 def test_eval_only_without_checkpoint_is_a_clear_error(tmp_path):
   r = helpers.run_train_py(tmp_path, "--eval_only")  # an existing workdir without checkpoints
   assert r.returncode != 0 and "error: --eval_only: no checkpoint in" in r.stderr and "Traceback" not in r.stderr
+  assert "starting a new run" not in r.stdout, "--eval_only starts nothing"
   assert os.listdir(tmp_path) == [], "a reader creates nothing"
 
 
