@@ -337,8 +337,8 @@ def jitter(params, src, key, sigma: float, axis_name: str):
   Slot ``n``'s noise is one float32 draw ``normal(fold_in(key, n), (its number of weights,))``, cut into the
   leaves in ``jax.tree.flatten`` order: the same on any mesh. One draw, not one per leaf: a per-leaf draw
   compiles one RNG per leaf inside the resampling branch (+6 s per compile of the digits step, measured).
-  Slots are drawn one at a time: the temporary memory is one particle's weights in float32 (plus the random
-  bits), whatever ``L`` and the mesh.
+  Slots are drawn one at a time: the temporaries (the random bits, the normals, their pieces) are a few
+  particles' weights in float32 (5x, compiled alone for the digits CNN), whatever ``L`` and the mesh.
   Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` blocks.
   """
   leaves, treedef = jax.tree.flatten(params)
