@@ -296,7 +296,7 @@ def test_readers_create_nothing_and_replace_nothing(uninterrupted, tmp_path):
   before = listing(workdir)
   r = helpers.run_train_py(workdir, *FLAGS, "--eval_only")
   assert r.returncode == 0, r.stdout + r.stderr
-  assert f"resumed from {workdir / 'checkpoints' / '20'} at step 20" in r.stdout
+  assert f"evaluating {workdir / 'checkpoints' / '20'} at step 20" in r.stdout
   after = dict(listing(workdir))
   for path, digest in before:  # the run's own results and the damaged checkpoint: untouched
     assert after.pop(path) == digest, path
