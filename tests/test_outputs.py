@@ -64,7 +64,8 @@ def test_eval_only_prints_the_final_table(run):
   r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--config.fused_bn_batches=4", "--eval_only")
   assert r.returncode == 0, r.stdout + r.stderr
   assert f"evaluating {workdir / 'checkpoints' / str(STEPS)} at step {STEPS}" in r.stdout
-  assert "resumed from" not in r.stdout and "differs from the checkpoint's" not in r.stdout, "fused_bn_batches says how to evaluate, not what to train"
+  assert "resumed from" not in r.stdout
+  assert "differs from the checkpoint's" not in r.stdout, "fused_bn_batches says how to evaluate, not what to train"
   assert table(r.stdout) == table(out)
 
 
