@@ -1,6 +1,7 @@
 """Uncertainty on digits at equal compute (issue: Uncertainty): clean, corrupted, OOD, diversity.
 
   python -m benchmarks.uncertainty_digits [--seeds 5] [--steps 300] [--methods ddp,ensemble,...] [--variants full]
+                                          [--calibration_fraction 0.1]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits CNN, global batch 128 and
 the same number of steps for every method (equal compute: every method trains
@@ -15,7 +16,9 @@ the ensemble's accuracy and ECE under the corruptions (mean over all 25 sets),
 OOD AUROC by the ensemble's maximum probability, diversity at the end
 (disagreement, pairwise KL) and resamplings per run. Every method starts from
 ``jitter_lr=0`` (the digits config before ``jitter_lr=0.3`` became its default,
-which "ipf jitter_lr=0.3 (the digits default)" measures). A benchmark, not a test.
+which "ipf jitter_lr=0.3 (the digits default)" measures). With ``--calibration_fraction`` every run holds
+that fraction of the train split out (clean labels) and the table adds the ensemble's temperature fitted on
+it and its ECE at that temperature, clean and under the corruptions. A benchmark, not a test.
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ VARIANTS = {"full": dict(), "harder (20% + 20% noise)": dict(train_fraction=0.2,
 COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, ".3f"), ("single_nll", 1, ".3f"),
            ("ens_ece", 1, ".3f"), ("ens_brier", 1, ".3f"), ("shift_ens_acc", 100, ".1f"), ("shift_ens_ece", 1, ".3f"),
            ("ood_auroc", 1, ".3f"), ("disagreement", 1, ".3f"), ("pairwise_kl", 1, ".3f"), ("resamples", 1, ".0f")]
+# With --calibration_fraction: the ensemble at the temperature fitted on the held-out part (clean labels)
+SCALED_COLUMNS = [("T", 1, ".2f"), ("ens_ece_at_T", 1, ".3f"), ("shift_ens_ece_at_T", 1, ".3f")]
 
 
 def run_one(method, variant, seed, steps, workdir, base=None):
@@ -83,32 +88,43 @@ def run_one(method, variant, seed, steps, workdir, base=None):
           "shift_ens_ece": float(np.mean([s["ensemble"]["ece"] for s in shifted])),
           "ood_auroc": float(r["ood"]["ensemble"]["auroc_max_prob"]),
           "disagreement": r["diversity"]["disagreement"], "pairwise_kl": r["diversity"]["pairwise_kl"],
-          "resamples": float(resamples[-1])}
+          "resamples": float(resamples[-1]),
+          **({"T": r["temperature_scaled"]["ensemble"]["temperature"],
+              "ens_ece_at_T": r["temperature_scaled"]["ensemble"]["ece"],
+              "shift_ens_ece_at_T": float(np.mean([s["temperature_scaled"]["ensemble"]["ece"] for s in shifted]))}
+             if "temperature_scaled" in r else {})}
 
 
 def main():
   parser = study_parser(__doc__, seeds=5, methods=tuple(METHODS))
   parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma list of: " + ", ".join(VARIANTS))
+  parser.add_argument("--calibration_fraction", type=float, default=0.0,
+                      help="hold out this fraction of the train split (before the harder variant's subset and "
+                      "label noise) to fit a temperature on; adds the columns " + ", ".join(c for c, _, _ in
+                                                                                           SCALED_COLUMNS))
   args = parser.parse_args()
+  base = {**base_overrides(args), "calibration_fraction": args.calibration_fraction}
+  columns = COLUMNS + (SCALED_COLUMNS if args.calibration_fraction else [])
   logging.getLogger("ipf_jax").disabled = True
   jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
   table = {}
   with tempfile.TemporaryDirectory() as tmp:
     for variant in args.variants.split(","):
       for method in args.methods.split(","):
-        runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"),
-                        base_overrides(args)) for seed in range(args.seeds)]
+        runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"), base)
+                for seed in range(args.seeds)]
         table[(variant, method)] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs])))
                                     for k in runs[0]}
         print(f"done {variant} / {method}", flush=True)
   print(f"\n{args.seeds} seeds, {args.steps} steps, global batch 128, mean ± std; shift = mean over the 25 "
         "corrupted test sets; OOD = photo patches, AUROC by the ensemble's max probability\n")
-  print("| data | method | " + " | ".join(c for c, _, _ in COLUMNS) + " |")
-  print("|" + "---|" * (len(COLUMNS) + 2))
+  print("| data | method | " + " | ".join(c for c, _, _ in columns) + " |")
+  print("|" + "---|" * (len(columns) + 2))
   for (variant, method), row in table.items():
     print(f"| {variant} | {method} | " + " | ".join(f"{scale * row[c][0]:{f}} ± {scale * row[c][1]:{f}}"
-                                                 for c, scale, f in COLUMNS) + " |")
+                                                 for c, scale, f in columns) + " |")
   print_summary({"benchmark": "uncertainty_digits", "seeds": args.seeds, "steps": args.steps,
+                 "calibration_fraction": args.calibration_fraction,
                  "results": {f"{v} / {m}": {k: r[k][0] for k in r} for (v, m), r in table.items()}})
 
 

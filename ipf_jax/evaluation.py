@@ -2,7 +2,7 @@
 (every example exactly once: padded last batch, masked) and the final table."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -155,11 +155,15 @@ def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: 
   return results
 
 
-def brief(results: dict) -> dict:
+def brief(results: dict, calibration: Optional[dict] = None) -> dict:
   """Each row's (and each particle's) scalar metrics and reliability bins, without the histograms and
-  temperature curves (a shifted set's results)."""
+  temperature curves (a shifted set's results). With ``calibration`` (the held-out set's results), also
+  ``temperature_scaled``: each row's NLL, ECE and Brier at the temperature fitted on it, as the test set's."""
   keep = lambda m, scalar: {k: v for k, v in m.items() if k in BRIEF or (k not in _CURVES and np.ndim(v) == scalar)}
-  return {k: keep(v, 1 if k == "particles" else 0) if isinstance(v, dict) else v for k, v in results.items()}
+  out = {k: keep(v, 1 if k == "particles" else 0) if isinstance(v, dict) else v for k, v in results.items()}
+  if calibration is not None:
+    out["temperature_scaled"] = temperature_scaled(calibration, results)
+  return out
 
 
 _CURVES = ("selective_accuracy", "certainty_counts", "nll_by_temperature", "brier_by_temperature",
@@ -195,7 +199,7 @@ def ood_auroc(test: dict, ood: dict) -> dict:
 
 def format_extras(results: dict, columns: tuple) -> str:
   """Lines under the table: diversity, temperature scaling, shifts (mean over severities; accuracy and ECE,
-  or the first two of the task's ``columns``) and OOD."""
+  or the first two of the task's ``columns``; the ECE at the fitted temperature when there is one) and OOD."""
   lines = []
   if "diversity" in results and len(results["weights"]) > 1:
     d = results["diversity"]
@@ -217,10 +221,13 @@ def format_extras(results: dict, columns: tuple) -> str:
     shown = [c for c in columns if c[1] in ("accuracy", "ece") and c[1] in present] or [
         c for c in columns if c[1] in present][:2]
     rows_shown = [key for key in ("ensemble", "fused") if key in next(iter(shifts.values()))]
-    rows = [("shift (mean over severities)",) + tuple(f"{key} {title}" for key in rows_shown for title, _, _ in shown)]
+    scaled = [key for key in rows_shown if key in next(iter(shifts.values())).get("temperature_scaled", {})]
+    rows = [("shift (mean over severities)",) + tuple(f"{key} {title}" for key in rows_shown for title, _, _ in shown)
+            + tuple(f"{key} ECE at T" for key in scaled)]
     for name, rs in families.items():
       rows.append((name,) + tuple(fmt.format(np.mean([r[key][metric] for r in rs]))
-                                  for key in rows_shown for _, metric, fmt in shown))
+                                  for key in rows_shown for _, metric, fmt in shown)
+                  + tuple(f"{np.mean([r['temperature_scaled'][key]['ece'] for r in rs]):.4f}" for key in scaled))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
               for r in rows]

@@ -224,7 +224,8 @@ def plot_reliability(results, path, plt):
 
 def plot_shifts(results, path, plt):
   """Two metrics (accuracy and ECE, or the first two the task has) per corruption against its severity
-  (ensemble: solid, fused model: dashed); sets without severities as points at 0."""
+  (ensemble: solid, fused model: dashed, the ensemble's ECE at the fitted temperature: dotted); sets without
+  severities as points at 0."""
   from ipf_jax.data.shifts import family
   families = collections.defaultdict(dict)
   for name, r in results["shifts"].items():
@@ -241,9 +242,13 @@ def plot_shifts(results, path, plt):
         if key in levels[xs[0]]:
           ax.plot(xs, [levels[x][key][metric] for x in xs], style, marker="o", ms=3, color=f"C{i % 10}",
                   label=corruption if key == "ensemble" else None)
+      if metric == "ece" and "ensemble" in levels[xs[0]].get("temperature_scaled", {}):
+        ax.plot(xs, [levels[x]["temperature_scaled"]["ensemble"]["ece"] for x in xs], ":", color=f"C{i % 10}")
+  scaled = "ensemble" in first.get("temperature_scaled", {})
   for ax, metric in zip(axes[0], shown):
     ax.set(xlabel="severity (0: a set without severities)", ylabel=metric,
-           title=f"{metric} under shift (solid: ensemble, dashed: fused)")
+           title=f"{metric} under shift (solid: ensemble, dashed: fused"
+           + (", dotted: ensemble at the fitted T)" if scaled and metric == "ece" else ")"))
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -76,14 +76,15 @@ class RunEvaluation:
 
   def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
     """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
-    the train split, each shifted set (``evaluation.brief``) and OOD AUROC."""
-    more = {}
+    the train split, each shifted set (``evaluation.brief``; with the held-out part, also at its fitted
+    temperature) and OOD AUROC."""
+    more, calibration = {}, None
     if self.calibration is not None:
-      more["temperature_scaled"] = evaluation.temperature_scaled(
-          self.evaluate(state, fused_bn, interrupted, self.calibration), results)
+      calibration = self.evaluate(state, fused_bn, interrupted, self.calibration)
+      more["temperature_scaled"] = evaluation.temperature_scaled(calibration, results)
       more["calibration_examples"] = self.calibration.test_size
-    if self.shift_sets:
-      more["shifts"] = {name: evaluation.brief(self.evaluate(state, fused_bn, interrupted, source))
+    if self.shift_sets:  # with a calibration set, each also at the temperature fitted on it (before the curves go)
+      more["shifts"] = {name: evaluation.brief(self.evaluate(state, fused_bn, interrupted, source), calibration)
                         for name, source in self.shift_sets.items()}
     if self.ood is not None:
       more["ood"] = evaluation.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, self.ood))

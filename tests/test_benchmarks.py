@@ -55,3 +55,12 @@ def test_exchange_buckets_benchmark_tiny():
   s = run_module("benchmarks.exchange_buckets", "--buckets", "1,auto", "--repeats", "1", "--rounds", "1", devices=4)
   assert set(s["over_ensemble"]) == {"ensemble", "rounds, bucket 1", "rounds, bucket auto"}
   assert s["devices"] == 4 and all(v > 0 for v in s["peak_mib"].values())
+
+
+def test_uncertainty_benchmark_tiny_with_a_calibration_set():
+  method = "ipf correction=0 + islands=4 + init=independent (ess_threshold=0.9)"
+  s = run_module("benchmarks.uncertainty_digits", "--seeds", "1", "--steps", "6", "--cnn_features", "4,8",
+                 "--methods", method, "--variants", "full", "--calibration_fraction", "0.1", devices=8)
+  row = s["results"][f"full / {method}"]
+  assert s["calibration_fraction"] == 0.1 and 0.25 <= row["T"] <= 8
+  assert 0 <= row["ens_ece_at_T"] <= 1 and 0 <= row["shift_ens_ece_at_T"] <= 1 and row["resamples"] == 6

@@ -28,9 +28,11 @@ def test_train_py_digits_smoke(tmp_path):
     assert 0.0 < results["ood"][row]["auroc_max_prob"] <= 1.0 and 0.0 < results["ood"][row]["auroc_entropy"] <= 1.0
   assert sorted(results["shifts"]) == [f"contrast_{s}" for s in range(1, 6)]
   assert results["shifts"]["contrast_5"]["ensemble"]["accuracy"] < results["ensemble"]["accuracy"]
+  scaled = results["shifts"]["contrast_5"]["temperature_scaled"]["ensemble"]  # at the calibration set's temperature
+  assert scaled["temperature"] == results["temperature_scaled"]["ensemble"]["temperature"] and scaled["ece"] >= 0
   assert len(results["ood"]["particles"]["auroc_max_prob"]) == 8
   for line in ("diversity of the population: disagreement", "temperature scaling, fused model: T =",
-               "contrast  ", "OOD AUROC (photos), ensemble (weighted): max prob"):
+               "contrast  ", "ensemble ECE at T", "OOD AUROC (photos), ensemble (weighted): max prob"):
     assert line in out, line
   from ipf_jax import report
   pictures = [os.path.basename(p) for p in report.write_report(str(tmp_path), str(tmp_path / "report"))]

@@ -188,6 +188,43 @@ def test_temperature_fitted_on_overconfident_predictions_undoes_it():
   assert fitted["nll"] < results["ensemble"]["nll"] and fitted["ece"] < results["ensemble"]["ece"]
 
 
+def _numpy_ece(probs, labels, bins=metrics.NUM_ECE_BINS):
+  conf, correct = probs.max(-1), probs.argmax(-1) == labels
+  which = np.minimum((conf * bins).astype(int), bins - 1)
+  return sum(abs(correct[which == b].sum() - conf[which == b].sum()) for b in range(bins)) / len(labels)
+
+
+def test_a_shifted_set_at_the_temperature_fitted_on_the_calibration_set():
+  """``brief(shifted, calibration)``: the shifted set's ECE, NLL and Brier at the temperature whose NLL is the
+  lowest on the calibration set (not on the shifted set), against numpy on the tempered probabilities."""
+  rng = np.random.default_rng(5)
+
+  def results(z, scale):
+    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    labels = np.array([rng.choice(5, p=row) for row in p])
+    sharp = np.exp(scale * z) / np.exp(scale * z).sum(-1, keepdims=True)
+    sums = metrics.classification_sums(jnp.asarray(sharp, jnp.float32), jnp.asarray(labels), jnp.ones(len(labels)))
+    return {"ensemble": metrics.finalize(sums), "weights": np.ones(2) / 2}, sharp, labels
+
+  calibration, _, _ = results(rng.normal(size=(3000, 5)), 2.0)  # twice too sharp: T near 2
+  shifted, sharp, labels = results(rng.normal(size=(2000, 5)) * 0.5, 3.0)  # a shift: sharper still, less certain
+  out = evaluation.brief(shifted, calibration)
+  t = out["temperature_scaled"]["ensemble"]
+  assert t["temperature"] == evaluation.temperature_scaled(calibration, calibration)["ensemble"]["temperature"]
+  assert 2 / 1.2 < t["temperature"] < 2 * 1.2
+  tempered = sharp ** (1 / t["temperature"])
+  tempered /= tempered.sum(-1, keepdims=True)
+  np.testing.assert_allclose(t["ece"], _numpy_ece(tempered, labels), atol=1e-5)
+  np.testing.assert_allclose(t["nll"], -np.mean(np.log(tempered[np.arange(len(labels)), labels])), rtol=1e-4)
+  np.testing.assert_allclose(out["ensemble"]["ece"], _numpy_ece(sharp, labels), atol=1e-5)
+  assert t["ece"] < out["ensemble"]["ece"]
+  assert "ece_by_temperature" not in out["ensemble"] and "temperature_scaled" not in evaluation.brief(shifted)
+  text = evaluation.format_extras({"weights": np.ones(2) / 2, "shifts": {"contrast_1": out}},
+                                  (("accuracy", "accuracy", "{:.4f}"), ("ECE", "ece", "{:.4f}")))
+  assert "ensemble accuracy  ensemble ECE  ensemble ECE at T" in text
+  assert text.splitlines()[-1].split()[-1] == f"{t['ece']:.4f}"
+
+
 def test_selective_with_ties_and_a_particle_axis():
   """Two particles: one bin holding every example (ties: accuracy is the bin's at every coverage), and
   examples in two bins (the certain bin first, then linear within the other)."""
