@@ -221,13 +221,16 @@ def format_extras(results: dict, columns: tuple) -> str:
     shown = [c for c in columns if c[1] in ("accuracy", "ece") and c[1] in present] or [
         c for c in columns if c[1] in present][:2]
     rows_shown = [key for key in ("ensemble", "fused") if key in next(iter(shifts.values()))]
-    scaled = [key for key in rows_shown if key in next(iter(shifts.values())).get("temperature_scaled", {})]
-    rows = [("shift (mean over severities)",) + tuple(f"{key} {title}" for key in rows_shown for title, _, _ in shown)
-            + tuple(f"{key} ECE at T" for key in scaled)]
+    scaled = next(iter(shifts.values())).get("temperature_scaled", {})
+    cells = []  # (heading, value of one set's results, format)
+    for key in rows_shown:
+      cells += [(f"{key} {title}", lambda r, key=key, metric=metric: r[key][metric], fmt)
+                for title, metric, fmt in shown]
+      if key in scaled:
+        cells.append((f"{key} ECE at T", lambda r, key=key: r["temperature_scaled"][key]["ece"], "{:.4f}"))
+    rows = [("shift (mean over severities)",) + tuple(heading for heading, _, _ in cells)]
     for name, rs in families.items():
-      rows.append((name,) + tuple(fmt.format(np.mean([r[key][metric] for r in rs]))
-                                  for key in rows_shown for _, metric, fmt in shown)
-                  + tuple(f"{np.mean([r['temperature_scaled'][key]['ece'] for r in rs]):.4f}" for key in scaled))
+      rows.append((name,) + tuple(fmt.format(np.mean([get(r) for r in rs])) for _, get, fmt in cells))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
               for r in rows]

@@ -221,7 +221,7 @@ def test_a_shifted_set_at_the_temperature_fitted_on_the_calibration_set():
   assert "ece_by_temperature" not in out["ensemble"] and "temperature_scaled" not in evaluation.brief(shifted)
   text = evaluation.format_extras({"weights": np.ones(2) / 2, "shifts": {"contrast_1": out}},
                                   (("accuracy", "accuracy", "{:.4f}"), ("ECE", "ece", "{:.4f}")))
-  assert "ensemble accuracy  ensemble ECE  ensemble ECE at T" in text
+  assert "ensemble accuracy  ensemble ECE  ensemble ECE at T" in text  # each row's after its own
   assert text.splitlines()[-1].split()[-1] == f"{t['ece']:.4f}"
 
 
