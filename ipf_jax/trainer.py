@@ -15,6 +15,7 @@ import numpy as np
 
 from ipf_jax import builder as build_lib
 from ipf_jax import checkpoint as checkpoint_lib
+from ipf_jax import compatibility
 from ipf_jax import configuration
 from ipf_jax import run_eval
 from ipf_jax import mesh as mesh_lib
@@ -161,7 +162,7 @@ class _Run(run_eval.RunEvaluation):
     """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task
     you brought, with your model): what a checkpoint must match. Compiles nothing."""
     task = build_lib.zoo_task(config, self.dataset.num_classes) if self.zoo else self.task
-    return checkpoint_lib.signature(build_lib.state_shapes(config, task, self.dataset.example,
+    return compatibility.signature(build_lib.state_shapes(config, task, self.dataset.example,
                                                            self.steps_per_epoch or 1))
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer):
@@ -174,7 +175,7 @@ class _Run(run_eval.RunEvaluation):
     state, meta = restored
     log.info("%s %s at step %d (written on %d device(s))", "resumed from" if self.for_training else "evaluating",
              ckpt.directory / str(meta["step"]), int(state.step), meta["num_devices"])
-    changed = checkpoint_lib.changed_fields(meta["config"], self.config)
+    changed = compatibility.changed_fields(meta["config"], self.config)
     if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
       log.warning("this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",
                   len(changed), "training continues" if self.for_training else "it is evaluated", "; ".join(changed))
@@ -209,7 +210,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool =
   reads = eval_only or config.checkpoint_every_steps >= 0  # checkpoint_every_steps=-1 never resumes
   latest = ckpt.check_latest(run.parts.abstract_state, config, shapes_for=run.state_signature) if reads else None
   step, saved_config = latest if latest is not None else (None, None)
-  changed = checkpoint_lib.changed_fields(saved_config, config) if saved_config is not None else []
+  changed = compatibility.changed_fields(saved_config, config) if saved_config is not None else []
   epoch = f" ({run.total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" \
       if run.steps_per_epoch else ""
   if eval_only:

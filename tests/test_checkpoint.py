@@ -11,6 +11,7 @@ import pytest
 
 from configs import digits
 from ipf_jax import checkpoint as checkpoint_lib
+from ipf_jax import compatibility
 from ipf_jax import configuration
 from ipf_jax import state as state_lib
 from tests import helpers
@@ -143,11 +144,11 @@ def test_changed_fields_lists_every_difference_from_the_saved_config():
   now = digits.get_config()
   now.islands, now.num_train_steps = 2, saved.num_train_steps + 10
   now.cnn_features, now.log_every_steps, now.num_cpu_devices = (16, 16, 32), 1, 2  # the last two: HOW_FIELDS
-  assert checkpoint_lib.changed_fields(json.loads(saved.to_json()), now) == [
+  assert compatibility.changed_fields(json.loads(saved.to_json()), now) == [
       "cnn_features: [32, 64, 128] -> [16, 16, 32]", "islands: 1 -> 2",
       f"num_train_steps: {saved.num_train_steps} -> {saved.num_train_steps + 10}"]
-  assert checkpoint_lib.changed_fields(json.loads(saved.to_json()), saved) == []
-  assert checkpoint_lib.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> absent"]
+  assert compatibility.changed_fields(json.loads(saved.to_json()), saved) == []
+  assert compatibility.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> absent"]
 
 
 def test_a_rerun_with_other_values_says_which_before_it_does_anything(uninterrupted):

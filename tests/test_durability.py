@@ -210,6 +210,7 @@ def test_the_fields_that_decide_a_shape_are_derived_from_the_state(tmp_path):
   """small_inputs changes a ResNet stem's kernel but was on no list: the derivation finds it."""
   from configs import digits
   from ipf_jax import checkpoint
+  from ipf_jax import compatibility
   from ipf_jax import trainer
   config = digits.get_config()
   config.model = "resnet_tiny"
@@ -217,11 +218,11 @@ def test_the_fields_that_decide_a_shape_are_derived_from_the_state(tmp_path):
   try:
     changed = digits.get_config()
     changed.model, changed.small_inputs, changed.seed, changed.base_lr = "resnet_tiny", True, 3, 0.5
-    assert checkpoint.decisive_fields(json.loads(changed.to_json()), config, run.state_signature) == ["small_inputs"]
+    assert compatibility.decisive_fields(json.loads(changed.to_json()), config, run.state_signature) == ["small_inputs"]
     with pytest.raises(checkpoint.CheckpointError, match=r"params/conv_init/kernel is \(8, 3, 3, 1, 8\) float32 "
                        r"there and \(8, 7, 7, 1, 8\) float32 here.*It was written with config.small_inputs=True"):
-      checkpoint.check_compatible(run.state_signature(changed), json.loads(changed.to_json()),
-                                  run.state_signature(config), config, "ckpt", run.state_signature)
+      compatibility.check_compatible(run.state_signature(changed), json.loads(changed.to_json()),
+                                     run.state_signature(config), config, "ckpt", run.state_signature)
   finally:
     run.close()
 

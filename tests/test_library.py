@@ -178,7 +178,8 @@ def test_your_data_ending_early_or_without_epochs_is_one_clear_error(tmp_path):
 
 def test_resuming_on_other_data_is_refused():
   from ipf_jax import checkpoint
-  sig = {"params/w": ((2,), "float32")}
+  from ipf_jax import compatibility
+  sig, config = {"params/w": ((2,), "float32")}, ipf_jax.default_config()
   with pytest.raises(checkpoint.CheckpointError, match="was trained on 'digits', this run reads 'my data'"):
-    checkpoint.check_compatible(sig, {}, sig, ipf_jax.default_config(), "ckpt", saved_data="digits", data="my data")
-  checkpoint.check_compatible(sig, {}, sig, ipf_jax.default_config(), "ckpt", saved_data="digits", data="digits")
+    compatibility.check_compatible(sig, {}, sig, config, "ckpt", saved_data="digits", data="my data")
+  compatibility.check_compatible(sig, {}, sig, config, "ckpt", saved_data="digits", data="digits")

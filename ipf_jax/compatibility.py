@@ -1,0 +1,117 @@
+"""Does a checkpoint fit this run: the state's signature (tree, shapes, dtypes), the config fields that decide
+it, the fields that changed since it was written (DESIGN.md "Durability"). Used by ``checkpoint`` before
+anything is restored, and by ``trainer`` for its warnings and ``--dry_run`` plan."""
+from __future__ import annotations
+
+import json
+from typing import Callable, Optional
+
+import jax
+import ml_collections
+import numpy as np
+
+Signature = dict  # {"params/Conv_0/kernel": ((8, 3, 3, 1, 32), "float32"), ...}
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that this run cannot use; the message says why and what to do."""
+
+
+def _key_name(k) -> str:
+  for attr in ("name", "key", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def signature(tree) -> Signature:
+  """``{path: (shape, dtype)}`` of every array leaf of a state, an abstract state or orbax tree metadata."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in flat}
+
+
+def _describe(path: str, saved: Signature, current: Signature) -> str:
+  def fmt(entry):
+    return f"{entry[0]} {entry[1]}" if entry else "absent"
+  return f"{path} is {fmt(saved.get(path))} there and {fmt(current.get(path))} here"
+
+
+def _flat_config(config) -> dict:
+  d = config if isinstance(config, dict) else json.loads(config.to_json())
+  return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in d.items()}
+
+
+# Fields that say how a run is run (logging, saving, devices, what the evaluation adds), not what it trains:
+# a resume may change them without a word. Another mesh or loop changes results only by float rounding (the
+# resume line says on how many devices the checkpoint was written). Any other difference is listed.
+HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every_steps", "checkpoint_every_minutes",
+                        "time_limit_minutes", "keep_checkpoints", "async_checkpointing", "data_dir",
+                        "eval_batch_size", "eval_shifts", "ood_dataset", "fused_bn_batches", "particle_loop",
+                        "num_devices", "particle_axis_size", "num_cpu_devices"})
+
+
+def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> list[str]:
+  """``"field: saved -> now"`` for every field outside ``HOW_FIELDS`` whose value differs from the saved
+  config's (a field one of them lacks: ``absent``)."""
+  saved, current, missing = _flat_config(saved_config), _flat_config(config), object()
+  shown = lambda d, k: repr(d[k]) if k in d else "absent"
+  return [f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted((set(saved) | set(current)) - HOW_FIELDS)
+          if saved.get(k, missing) != current.get(k, missing)]
+
+
+def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
+                    shapes_for: Callable[[ml_collections.ConfigDict], Signature]) -> list[str]:
+  """Config fields whose saved value, put back alone into ``config``, changes the state's shapes."""
+  saved, current = _flat_config(saved_config), _flat_config(config)
+  base = shapes_for(config)
+  fields = []
+  for field in sorted(set(saved) & set(current)):
+    if saved[field] == current[field]:
+      continue
+    try:
+      trial = ml_collections.ConfigDict(config.to_dict())
+      value = saved[field]
+      trial[field] = tuple(value) if isinstance(value, list) else value
+      if shapes_for(trial) != base:
+        fields.append(field)
+    except Exception:  # noqa: BLE001 - a value this code cannot build a state from says nothing
+      continue
+  return fields
+
+
+def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Signature,
+                     config: ml_collections.ConfigDict, where: str,
+                     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
+                     saved_data: Optional[str] = None, data: Optional[str] = None) -> None:
+  """Raises ``CheckpointError`` when the saved state cannot be restored into this run's state, or was
+  trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree)."""
+  saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
+  if saved_data and data and saved_data != data:
+    raise CheckpointError(
+        f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} (config.dataset, or "
+        "the data you pass). Resume on the same data, or use a new --workdir to start a fresh run. Nothing was "
+        "changed.")
+  if saved_sig == current_sig:
+    return
+  differing = sorted((p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),
+                     key=lambda p: (not p.startswith("params/"), p))  # a parameter says it best
+  what = _describe(differing[0], saved_sig, current_sig)
+  if len(differing) > 1:
+    what += f" ({len(differing) - 1} more difference{'s' if len(differing) > 2 else ''})"
+  fields = decisive_fields(saved_config, config, shapes_for) if shapes_for else []
+  if fields:
+    was = ", ".join(f"config.{f}={saved_flat[f]!r}" for f in fields)
+    now = ", ".join(f"config.{f}={current_flat[f]!r}" for f in fields)
+    flags = " ".join(f"--config.{f}={_flag_value(saved_flat[f])}" for f in fields)
+    cause = f"It was written with {was}; this run has {now}. Resume with {flags}, or"
+  else:
+    cause = ("The config fields that shape the state agree, so it was probably written by another version of "
+             "ipf_jax; resume with that version, or")
+  raise CheckpointError(f"the checkpoint in {where} does not fit this run's state: {what}. {cause} use a new "
+                        "--workdir to start a fresh run. Nothing was changed.")
+
+
+def _flag_value(value) -> str:
+  if isinstance(value, list):
+    return "(" + ",".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+  return repr(value) if isinstance(value, str) else str(value)
