@@ -9,8 +9,9 @@ table and ``SUMMARY {json}``.
 
 1. ipf without a resample / ensemble (with and without the correction, with the
    elastic pull); ipf resampling every step / ensemble, with the digits config's
-   resample-move noise (its jitter_lr) and without it; amortised over the
-   digits run's measured resampling rate.
+   resample-move noise (its jitter_lr) and without it, and without the correction
+   (lambda = 0: the exchange's own cost); amortised over the digits run's measured
+   resampling rate.
 2. ddp (one particle) / a minimal hand-written jitted data-parallel step.
 3. particles per device L = 1, 2, 4: per-example cost relative to L = 1, for
    vmap, lax.map and an unrolled loop.
@@ -136,6 +137,9 @@ def main():
                                                             resample_every=1), args),
               "ipf (resample every step, jitter_lr=0)": Timed(config_for(
                   args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1, jitter_lr=0.0), args),
+              "ipf lambda=0 (resample every step, jitter_lr=0)": Timed(config_for(
+                  args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1, jitter_lr=0.0,
+                  correction=0.0), args),
               "ipf (resample every step, all_to_all)": Timed(config_for(
                   args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1,
                   resample_exchange="all_to_all"), args)}
@@ -155,6 +159,8 @@ def main():
                  ipf_resample_every_step_over_ensemble=t["ipf (resample every step)"] / t["ensemble"],
                  ipf_resample_every_step_no_noise_over_ensemble=(t["ipf (resample every step, jitter_lr=0)"]
                                                                  / t["ensemble"]),
+                 ipf_lambda0_resample_every_step_no_noise_over_ensemble=(
+                     t["ipf lambda=0 (resample every step, jitter_lr=0)"] / t["ensemble"]),
                  ipf_resample_every_step_all_to_all_over_ensemble=(t["ipf (resample every step, all_to_all)"]
                                                                    / t["ensemble"]),
                  digits_resample_rate=rate, ipf_amortised_over_ensemble=amortised / t["ensemble"],
