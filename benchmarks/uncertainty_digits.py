@@ -104,10 +104,10 @@ def run_one(method, variant, seed, steps, workdir, base=None):
 def main():
   parser = study_parser(__doc__, seeds=5, methods=tuple(METHODS))
   parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma list of: " + ", ".join(VARIANTS))
+  scaled_columns = ", ".join(c for c, _, _ in SCALED_COLUMNS)
   parser.add_argument("--calibration_fraction", type=float, default=0.0,
                       help="hold out this fraction of the train split (before the harder variant's subset and "
-                      "label noise) to fit a temperature on; adds the columns " + ", ".join(c for c, _, _ in
-                                                                                           SCALED_COLUMNS))
+                      f"label noise) to fit a temperature on; adds the columns {scaled_columns}")
   args = parser.parse_args()
   base = {**base_overrides(args), "calibration_fraction": args.calibration_fraction}
   columns = COLUMNS + (SCALED_COLUMNS if args.calibration_fraction else [])

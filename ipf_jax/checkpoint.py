@@ -7,7 +7,7 @@ after a newer one is committed.
 
 Restoring tells three cases apart and never guesses:
 
-- **incompatible**: the saved state's tree, shapes or dtypes differ from what
+- **incompatible** (``compatibility``): the saved state's tree, shapes or dtypes differ from what
   this run's config builds. The run stops with one error naming the first
   differing path and the config field(s) that decide it (found by rebuilding
   the state's shapes with each differing field set back to its saved value,

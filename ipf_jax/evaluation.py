@@ -161,8 +161,9 @@ def brief(results: dict, calibration: Optional[dict] = None) -> dict:
   ``temperature_scaled``: each row's NLL, ECE and Brier at the temperature fitted on it, as the test set's."""
   keep = lambda m, scalar: {k: v for k, v in m.items() if k in BRIEF or (k not in _CURVES and np.ndim(v) == scalar)}
   out = {k: keep(v, 1 if k == "particles" else 0) if isinstance(v, dict) else v for k, v in results.items()}
-  if calibration is not None:
-    out["temperature_scaled"] = temperature_scaled(calibration, results)
+  scaled = temperature_scaled(calibration, results) if calibration is not None else {}
+  if scaled:  # a task without tempered metrics (regression) has none
+    out["temperature_scaled"] = scaled
   return out
 
 

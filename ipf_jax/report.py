@@ -243,12 +243,14 @@ def plot_shifts(results, path, plt):
           ax.plot(xs, [levels[x][key][metric] for x in xs], style, marker="o", ms=3, color=f"C{i % 10}",
                   label=corruption if key == "ensemble" else None)
       if metric == "ece" and "ensemble" in levels[xs[0]].get("temperature_scaled", {}):
-        ax.plot(xs, [levels[x]["temperature_scaled"]["ensemble"]["ece"] for x in xs], ":", color=f"C{i % 10}")
+        ax.plot(xs, [levels[x]["temperature_scaled"]["ensemble"]["ece"] for x in xs], ":", marker="x", ms=3,
+                color=f"C{i % 10}")
   scaled = "ensemble" in first.get("temperature_scaled", {})
   for ax, metric in zip(axes[0], shown):
     ax.set(xlabel="severity (0: a set without severities)", ylabel=metric,
            title=f"{metric} under shift (solid: ensemble, dashed: fused"
-           + (", dotted: ensemble at the fitted T)" if scaled and metric == "ece" else ")"))
+           + (",\ndotted: the ensemble at the temperature fitted on held-out data)" if scaled and metric == "ece"
+              else ")"))
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -158,12 +158,12 @@ class _Run(run_eval.RunEvaluation):
              self.mesh.devices.flat[0].platform, jax.process_count(), config.global_batch_size,
              self.spec.num_particles, config.global_batch_size // self.spec.num_particles)
 
-  def state_signature(self, config: ml_collections.ConfigDict) -> checkpoint_lib.Signature:
+  def state_signature(self, config: ml_collections.ConfigDict) -> compatibility.Signature:
     """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task
     you brought, with your model): what a checkpoint must match. Compiles nothing."""
     task = build_lib.zoo_task(config, self.dataset.num_classes) if self.zoo else self.task
     return compatibility.signature(build_lib.state_shapes(config, task, self.dataset.example,
-                                                           self.steps_per_epoch or 1))
+                                                          self.steps_per_epoch or 1))
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer):
     """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""

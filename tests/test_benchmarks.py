@@ -64,3 +64,4 @@ def test_uncertainty_benchmark_tiny_with_a_calibration_set():
   row = s["results"][f"full / {method}"]
   assert s["calibration_fraction"] == 0.1 and 0.25 <= row["T"] <= 8
   assert 0 <= row["ens_ece_at_T"] <= 1 and 0 <= row["shift_ens_ece_at_T"] <= 1 and row["resamples"] == 6
+  assert row["T"] != 1 and row["shift_ens_ece_at_T"] != row["shift_ens_ece"]  # T is applied to the shifted sets

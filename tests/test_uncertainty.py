@@ -195,34 +195,44 @@ def _numpy_ece(probs, labels, bins=metrics.NUM_ECE_BINS):
 
 
 def test_a_shifted_set_at_the_temperature_fitted_on_the_calibration_set():
-  """``brief(shifted, calibration)``: the shifted set's ECE, NLL and Brier at the temperature whose NLL is the
-  lowest on the calibration set (not on the shifted set), against numpy on the tempered probabilities."""
+  """``brief(shifted, calibration)``: each row's ECE, NLL and Brier on a shifted set at the temperature whose NLL
+  is the lowest on the calibration set (not on the shifted set), against numpy on the tempered probabilities;
+  the footer shows each row's mean over a corruption's severities."""
   rng = np.random.default_rng(5)
+  softmax = lambda z: np.exp(z) / np.exp(z).sum(-1, keepdims=True)
 
-  def results(z, scale):
-    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
-    labels = np.array([rng.choice(5, p=row) for row in p])
-    sharp = np.exp(scale * z) / np.exp(scale * z).sum(-1, keepdims=True)
-    sums = metrics.classification_sums(jnp.asarray(sharp, jnp.float32), jnp.asarray(labels), jnp.ones(len(labels)))
-    return {"ensemble": metrics.finalize(sums), "weights": np.ones(2) / 2}, sharp, labels
+  def results(z, scales):  # labels drawn from softmax(z); row k predicts softmax(scales[k] z)
+    labels = np.array([rng.choice(5, p=row) for row in softmax(z)])
+    probs = {k: softmax(scale * z) for k, scale in scales.items()}
+    out = {k: metrics.finalize(metrics.classification_sums(jnp.asarray(p, jnp.float32), jnp.asarray(labels),
+                                                           jnp.ones(len(labels)))) for k, p in probs.items()}
+    return {**out, "weights": np.ones(2) / 2}, probs, labels
 
-  calibration, _, _ = results(rng.normal(size=(3000, 5)), 2.0)  # twice too sharp: T near 2
-  shifted, sharp, labels = results(rng.normal(size=(2000, 5)) * 0.5, 3.0)  # a shift: sharper still, less certain
-  out = evaluation.brief(shifted, calibration)
-  t = out["temperature_scaled"]["ensemble"]
-  assert t["temperature"] == evaluation.temperature_scaled(calibration, calibration)["ensemble"]["temperature"]
-  assert 2 / 1.2 < t["temperature"] < 2 * 1.2
-  tempered = sharp ** (1 / t["temperature"])
-  tempered /= tempered.sum(-1, keepdims=True)
-  np.testing.assert_allclose(t["ece"], _numpy_ece(tempered, labels), atol=1e-5)
-  np.testing.assert_allclose(t["nll"], -np.mean(np.log(tempered[np.arange(len(labels)), labels])), rtol=1e-4)
-  np.testing.assert_allclose(out["ensemble"]["ece"], _numpy_ece(sharp, labels), atol=1e-5)
-  assert t["ece"] < out["ensemble"]["ece"]
-  assert "ece_by_temperature" not in out["ensemble"] and "temperature_scaled" not in evaluation.brief(shifted)
-  text = evaluation.format_extras({"weights": np.ones(2) / 2, "shifts": {"contrast_1": out}},
+  calibration, _, _ = results(rng.normal(size=(3000, 5)), {"ensemble": 2.0, "fused": 0.5})  # T near 2 and 0.5
+  fitted = evaluation.temperature_scaled(calibration, calibration)
+  assert 2 / 1.2 < fitted["ensemble"]["temperature"] < 2 * 1.2 and 0.5 / 1.2 < fitted["fused"]["temperature"] < 0.6
+  footer = {}
+  for severity, spread in ((1, 0.5), (2, 0.3)):  # a shift: less certain inputs, the models sharper still
+    shifted, probs, labels = results(rng.normal(size=(2000, 5)) * spread, {"ensemble": 3.0, "fused": 1.5})
+    out = evaluation.brief(shifted, calibration)
+    for row in ("ensemble", "fused"):
+      t = out["temperature_scaled"][row]
+      assert t["temperature"] == fitted[row]["temperature"]
+      tempered = probs[row] ** (1 / t["temperature"])
+      tempered /= tempered.sum(-1, keepdims=True)
+      np.testing.assert_allclose(t["ece"], _numpy_ece(tempered, labels), atol=1e-5)
+      np.testing.assert_allclose(t["nll"], -np.mean(np.log(tempered[np.arange(len(labels)), labels])), rtol=1e-4)
+      np.testing.assert_allclose(out[row]["ece"], _numpy_ece(probs[row], labels), atol=1e-5)
+      footer.setdefault(row, []).append(t["ece"])
+    assert out["temperature_scaled"]["ensemble"]["ece"] < out["ensemble"]["ece"]
+    assert "ece_by_temperature" not in out["ensemble"] and "temperature_scaled" not in evaluation.brief(shifted)
+    footer.setdefault("sets", {})[f"contrast_{severity}"] = out
+  text = evaluation.format_extras({"weights": np.ones(2) / 2, "shifts": footer["sets"]},
                                   (("accuracy", "accuracy", "{:.4f}"), ("ECE", "ece", "{:.4f}")))
-  assert "ensemble accuracy  ensemble ECE  ensemble ECE at T" in text  # each row's after its own
-  assert text.splitlines()[-1].split()[-1] == f"{t['ece']:.4f}"
+  assert "ensemble accuracy  ensemble ECE  ensemble ECE at T  fused accuracy  fused ECE  fused ECE at T" in text
+  cells = text.splitlines()[-1].split()
+  assert cells[0] == "contrast" and cells[3] == f"{np.mean(footer['ensemble']):.4f}"
+  assert cells[6] == f"{np.mean(footer['fused']):.4f}"
 
 
 def test_selective_with_ties_and_a_particle_axis():
