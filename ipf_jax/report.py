@@ -247,11 +247,10 @@ def plot_shifts(results, path, plt):
                 color=f"C{i % 10}")
   scaled = "ensemble" in first.get("temperature_scaled", {})
   for ax, metric in zip(axes[0], shown):
-    ax.set(xlabel="severity (0: a set without severities)", ylabel=metric,
-           title=f"{metric} under shift (solid: ensemble, dashed: fused"
-           + (",\ndotted: the ensemble at the temperature fitted on held-out data)" if scaled and metric == "ece"
-              else ")"))
+    ax.set(xlabel="severity (0: a set without severities)", ylabel=metric, title=f"{metric} under shift")
   axes[0][0].legend(fontsize=7)
+  fig.suptitle("solid: ensemble, dashed: fused model"
+               + (", dotted: the ensemble at the temperature fitted on held-out data" if scaled else ""), fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
