@@ -63,6 +63,8 @@ METHODS = {
         mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.75, jitter_lr=0.3),
     "ipf correction=0 + islands=4 + init=independent + jitter_lr=0.3 (ess_threshold=0.6)": dict(
         mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.6, jitter_lr=0.3),
+    "ipf correction=0 + islands=4 + init=independent + jitter_lr=0.3 (ess_threshold=0.55)": dict(
+        mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.55, jitter_lr=0.3),
     "seed recipe (rho=0; lr sqrt(world P))": dict(mode="ipf", forgetting=0.0, lr_scaling="seed"),
 }
 VARIANTS = {"full": dict(), "harder (20% + 20% noise)": dict(train_fraction=0.2, label_noise=0.2)}
