@@ -57,14 +57,9 @@ METHODS = {
     "ipf correction=0 + islands=2 + init=independent": dict(mode="ipf", correction=0.0, islands=2, init="independent"),
     "ipf correction=0 + islands=4 + init=independent (ess_threshold=0.9)": dict(
         mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.9),
-    "ipf correction=0 + islands=4 + init=independent + jitter_lr=0.3 (ess_threshold=0.9)": dict(
-        mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.9, jitter_lr=0.3),
-    "ipf correction=0 + islands=4 + init=independent + jitter_lr=0.3 (ess_threshold=0.75)": dict(
-        mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.75, jitter_lr=0.3),
-    "ipf correction=0 + islands=4 + init=independent + jitter_lr=0.3 (ess_threshold=0.6)": dict(
-        mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.6, jitter_lr=0.3),
-    "ipf correction=0 + islands=4 + init=independent + jitter_lr=0.3 (ess_threshold=0.55)": dict(
-        mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=0.55, jitter_lr=0.3),
+    **{f"ipf correction=0 + islands=4 + init=independent + jitter_lr=0.3 (ess_threshold={t})": dict(
+        mode="ipf", correction=0.0, islands=4, init="independent", ess_threshold=t, jitter_lr=0.3)
+       for t in (0.9, 0.75, 0.6, 0.55)},
     "seed recipe (rho=0; lr sqrt(world P))": dict(mode="ipf", forgetting=0.0, lr_scaling="seed"),
 }
 VARIANTS = {"full": dict(), "harder (20% + 20% noise)": dict(train_fraction=0.2, label_noise=0.2)}

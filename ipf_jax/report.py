@@ -234,6 +234,7 @@ def plot_shifts(results, path, plt):
   first = next(iter(results["shifts"].values()))
   scalars = [m for m, v in first.get("ensemble", {}).items() if np.ndim(v) == 0]
   shown = [m for m in ("accuracy", "ece") if m in scalars] or scalars[:2]
+  scaled = "ensemble" in first.get("temperature_scaled", {})  # every set of a run has it, or none
   fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
   for i, (corruption, levels) in enumerate(sorted(families.items())):
     xs = sorted(levels)
@@ -242,10 +243,9 @@ def plot_shifts(results, path, plt):
         if key in levels[xs[0]]:
           ax.plot(xs, [levels[x][key][metric] for x in xs], style, marker="o", ms=3, color=f"C{i % 10}",
                   label=corruption if key == "ensemble" else None)
-      if metric == "ece" and "ensemble" in levels[xs[0]].get("temperature_scaled", {}):
+      if metric == "ece" and scaled:
         ax.plot(xs, [levels[x]["temperature_scaled"]["ensemble"]["ece"] for x in xs], ":", marker="x", ms=3,
                 color=f"C{i % 10}")
-  scaled = "ensemble" in first.get("temperature_scaled", {})
   for ax, metric in zip(axes[0], shown):
     ax.set(xlabel="severity (0: a set without severities)", ylabel=metric, title=f"{metric} under shift")
   axes[0][0].legend(fontsize=7)
