@@ -1,7 +1,7 @@
 """Uncertainty on digits at equal compute (issue: Uncertainty): clean, corrupted, OOD, diversity.
 
   python -m benchmarks.uncertainty_digits [--seeds 5] [--steps 300] [--methods ddp,ensemble,...] [--variants full]
-                                          [--calibration_fraction 0.1]
+                                          [--calibration_fraction 0.1] [--uniform]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits CNN, global batch 128 and
 the same number of steps for every method (equal compute: every method trains
@@ -18,7 +18,8 @@ OOD AUROC by the ensemble's maximum probability, diversity at the end
 ``jitter_lr=0`` (the digits config before ``jitter_lr=0.3`` became its default,
 which "ipf jitter_lr=0.3 (the digits default)" measures). With ``--calibration_fraction`` every run holds
 that fraction of the train split out (clean labels) and the table adds the ensemble's temperature fitted on
-it and its ECE at that temperature, clean and under the corruptions. A benchmark, not a test.
+it and its ECE at that temperature, clean and under the corruptions. ``--uniform`` adds the ensemble with equal
+weights over the particles (clean, under the corruptions, OOD). A benchmark, not a test.
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, "
            ("ood_auroc", 1, ".3f"), ("disagreement", 1, ".3f"), ("pairwise_kl", 1, ".3f"), ("resamples", 1, ".0f")]
 # With --calibration_fraction: the ensemble at the temperature fitted on the held-out part (clean labels)
 SCALED_COLUMNS = [("T", 1, ".2f"), ("ens_ece_at_T", 1, ".3f"), ("shift_ens_ece_at_T", 1, ".3f")]
+# With --uniform: the same ensemble with equal weights over the particles (the trainer's "ensemble (uniform)" row)
+UNIFORM_COLUMNS = [("uni_acc", 100, ".2f"), ("uni_nll", 1, ".3f"), ("uni_ece", 1, ".3f"), ("shift_uni_ece", 1, ".3f"),
+                   ("ood_auroc_uni", 1, ".3f")]
 
 
 def run_one(method, variant, seed, steps, workdir, base=None):
@@ -92,6 +96,10 @@ def run_one(method, variant, seed, steps, workdir, base=None):
           "ood_auroc": float(r["ood"]["ensemble"]["auroc_max_prob"]),
           "disagreement": r["diversity"]["disagreement"], "pairwise_kl": r["diversity"]["pairwise_kl"],
           "resamples": float(resamples[-1]),
+          "uni_acc": r["ensemble_uniform"]["accuracy"], "uni_nll": r["ensemble_uniform"]["nll"],
+          "uni_ece": r["ensemble_uniform"]["ece"],
+          "shift_uni_ece": float(np.mean([s["ensemble_uniform"]["ece"] for s in shifted])),
+          "ood_auroc_uni": float(r["ood"]["ensemble_uniform"]["auroc_max_prob"]),
           **({"T": r["temperature_scaled"]["ensemble"]["temperature"],
               "ens_ece_at_T": r["temperature_scaled"]["ensemble"]["ece"],
               "shift_ens_ece_at_T": float(np.mean([s["temperature_scaled"]["ensemble"]["ece"] for s in shifted]))}
@@ -105,9 +113,11 @@ def main():
   parser.add_argument("--calibration_fraction", type=float, default=0.0,
                       help="hold out this fraction of the train split (before the harder variant's subset and "
                       f"label noise) to fit a temperature on; adds the columns {scaled_columns}")
+  parser.add_argument("--uniform", action="store_true", help="add the columns "
+                      + ", ".join(c for c, _, _ in UNIFORM_COLUMNS) + ": the ensemble with equal weights")
   args = parser.parse_args()
   base = {**base_overrides(args), "calibration_fraction": args.calibration_fraction}
-  columns = COLUMNS + (SCALED_COLUMNS if args.calibration_fraction else [])
+  columns = COLUMNS + (SCALED_COLUMNS if args.calibration_fraction else []) + (UNIFORM_COLUMNS if args.uniform else [])
   logging.getLogger("ipf_jax").disabled = True
   jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
   table = {}
