@@ -19,7 +19,8 @@ OOD AUROC by the ensemble's maximum probability, diversity at the end
 which "ipf jitter_lr=0.3 (the digits default)" measures). With ``--calibration_fraction`` every run holds
 that fraction of the train split out (clean labels) and the table adds the ensemble's temperature fitted on
 it and its ECE at that temperature, clean and under the corruptions. ``--uniform`` adds the ensemble with equal
-weights over the particles (clean, under the corruptions, OOD). A benchmark, not a test.
+weights over the particles (clean, under the corruptions, OOD). ``SUMMARY`` has each row's means and,
+under ``per_seed``, every seed's value (for paired comparisons). A benchmark, not a test.
 """
 from __future__ import annotations
 
@@ -120,14 +121,14 @@ def main():
   columns = COLUMNS + (SCALED_COLUMNS if args.calibration_fraction else []) + (UNIFORM_COLUMNS if args.uniform else [])
   logging.getLogger("ipf_jax").disabled = True
   jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
-  table = {}
+  table, per_seed = {}, {}
   with tempfile.TemporaryDirectory() as tmp:
     for variant in args.variants.split(","):
       for method in args.methods.split(","):
         runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"), base)
                 for seed in range(args.seeds)]
-        table[(variant, method)] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs])))
-                                    for k in runs[0]}
+        per_seed[(variant, method)] = seeds = {k: [r[k] for r in runs] for k in runs[0]}
+        table[(variant, method)] = {k: (float(np.mean(v)), float(np.std(v))) for k, v in seeds.items()}
         print(f"done {variant} / {method}", flush=True)
   print(f"\n{args.seeds} seeds, {args.steps} steps, global batch 128, mean ± std; shift = mean over the 25 "
         "corrupted test sets; OOD = photo patches, AUROC by the ensemble's max probability\n")
@@ -138,7 +139,8 @@ def main():
                                                  for c, scale, f in columns) + " |")
   print_summary({"benchmark": "uncertainty_digits", "seeds": args.seeds, "steps": args.steps,
                  "calibration_fraction": args.calibration_fraction,
-                 "results": {f"{v} / {m}": {k: r[k][0] for k in r} for (v, m), r in table.items()}})
+                 "results": {f"{v} / {m}": {k: r[k][0] for k in r} for (v, m), r in table.items()},
+                 "per_seed": {f"{v} / {m}": r for (v, m), r in per_seed.items()}})
 
 
 if __name__ == "__main__":
