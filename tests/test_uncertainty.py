@@ -174,6 +174,28 @@ def test_tfds_shift_and_ood_sets_on_mock_data(tmp_path):
     tfds_input.TFDSEvalSet("cifar10_1", "test", data)
 
 
+def test_imagenet_shift_sets_on_mock_data():
+  """ImageNet's shifted test sets: ImageNet-C (``imagenet2012_corrupted``, its validation split), ImageNet-V2, -A
+  and -R, read and preprocessed like imagenet2012's eval split (center crop to the config's size)."""
+  import tensorflow_datasets as tfds
+  from ipf_jax.data import tfds_input
+  config = helpers.tiny_config(dataset="imagenet2012", eval_shifts="gaussian_noise,imagenet_v2,imagenet_a,imagenet_r")
+  with tfds.testing.mock_data(num_examples=6):
+    data = tfds_input.TFDSDataset("imagenet2012", None, 16)
+    sets = shifts.eval_sets(config, data)
+    assert sorted(sets) == [f"gaussian_noise_{s}" for s in shifts.SEVERITIES] + ["imagenet_a", "imagenet_r",
+                                                                                  "imagenet_v2"]
+    assert sets["gaussian_noise_2"].name == "imagenet2012_corrupted/gaussian_noise_2"
+    assert sets["gaussian_noise_2"].split == "validation" and sets["imagenet_r"].split == "test"
+    for name in ("gaussian_noise_5", "imagenet_v2", "imagenet_a", "imagenet_r"):
+      batches = list(sets[name].eval_batches(4))
+      assert [len(b["image"]) for b in batches] == [4, 2] and sets[name].test_size == 6, name
+      assert batches[0]["image"].shape == (4, 16, 16, 3) and batches[0]["image"].dtype == np.float32
+      assert 0 <= batches[0]["label"].min() and batches[0]["label"].max() < 1000  # the 1000 ImageNet classes
+  with pytest.raises(DataError, match=r"config.eval_shifts / ood_dataset: .*imagenet_a"):
+    tfds_input.TFDSEvalSet("imagenet_a", "test", data)
+
+
 def test_temperature_fitted_on_overconfident_predictions_undoes_it():
   """Labels drawn from softmax(z), predictions softmax(2 z): the fitted temperature is about 2."""
   rng = np.random.default_rng(4)

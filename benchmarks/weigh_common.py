@@ -1,0 +1,65 @@
+"""What weighing on common examples costs (issue: Uncertainty, item 3): ``weigh_on=common`` against ``own``.
+
+  python -m benchmarks.weigh_common                  # 8 CPU devices (set below), digits CNN
+  python -m benchmarks.weigh_common --model resnet_tiny --image_size 32 --common_examples 2,8
+
+``weigh_on=own`` weighs each particle by its training loss, which the step computes anyway.
+``weigh_on=common`` also scores every particle on the same examples (``common_examples`` from each
+particle's part of the batch: P x that many in all), one more forward pass without gradients. Both
+steps are ipf without a resample taken (``ess_threshold=0``), P = the device count. Per variant: the
+compiled step's FLOPs per device (XLA's ``cost_analysis``), its peak memory (``memory_analysis``), and
+its time (medians of repeated steps in alternating rounds, in one process), each ÷ ``own``.
+Prints a table and ``SUMMARY {json}``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+
+from benchmarks.common import measure, memory_mib, print_summary, print_table  # noqa: E402
+from benchmarks.overhead import Timed, config_for  # noqa: E402
+
+
+def flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list of one dict in older jaxlibs
+  return float(cost["flops"])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="cnn")
+  parser.add_argument("--image_size", type=int, default=32)
+  parser.add_argument("--per_particle_batch", type=int, default=16)
+  parser.add_argument("--common_examples", default="2,8", help="a comma list: the values of common_examples")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args()
+  p = jax.device_count()
+  base = dict(mode="ipf", num_particles=p, ess_threshold=0.0)
+  variants = {"own": Timed(config_for(args, **base), args)}
+  for k in args.common_examples.split(","):
+    variants[f"common, {k} per particle"] = Timed(config_for(args, **base, weigh_on="common",
+                                                             common_examples=int(k)), args)
+  compiled = {k: v.bench.compiled() for k, v in variants.items()}
+  cost = {k: flops(c) for k, c in compiled.items()}
+  peak = {k: memory_mib(c)["peak"] for k, c in compiled.items()}
+  t = measure(variants, args.repeats, args.rounds)
+  rows = [{"variant": k, "GFLOP/device": cost[k] / 1e9, "FLOPs vs own": cost[k] / cost["own"],
+           "peak MiB": peak[k], "peak vs own": peak[k] / peak["own"], "step ms": 1e3 * t[k],
+           "time vs own": t[k] / t["own"]} for k in variants]
+  print(f"\nweigh_on ({p} particles on {p} devices, {args.model}, {args.per_particle_batch} examples per particle)")
+  print_table(rows, list(rows[0]))
+  print_summary({"benchmark": "weigh_common", "devices": p, "model": args.model,
+                 "per_particle_batch": args.per_particle_batch,
+                 "flops_over_own": {k: cost[k] / cost["own"] for k in variants},
+                 "peak_over_own": {k: peak[k] / peak["own"] for k in variants},
+                 "time_over_own": {k: t[k] / t["own"] for k in variants}})
+
+
+if __name__ == "__main__":
+  main()
