@@ -127,7 +127,7 @@ def main():
       for method in args.methods.split(","):
         runs = [run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"), base)
                 for seed in range(args.seeds)]
-        per_seed[(variant, method)] = seeds = {k: [r[k] for r in runs] for k in runs[0]}
+        per_seed[(variant, method)] = seeds = {k: [float(r[k]) for r in runs] for k in runs[0]}
         table[(variant, method)] = {k: (float(np.mean(v)), float(np.std(v))) for k, v in seeds.items()}
         print(f"done {variant} / {method}", flush=True)
   print(f"\n{args.seeds} seeds, {args.steps} steps, global batch 128, mean ± std; shift = mean over the 25 "

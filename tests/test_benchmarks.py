@@ -60,8 +60,9 @@ def test_exchange_buckets_benchmark_tiny():
 def test_uncertainty_benchmark_tiny_with_a_calibration_set():
   method = "ipf correction=0 + islands=4 + init=independent (ess_threshold=0.9)"
   s = run_module("benchmarks.uncertainty_digits", "--seeds", "1", "--steps", "6", "--cnn_features", "4,8",
-                 "--methods", method, "--variants", "full", "--calibration_fraction", "0.1", devices=8)
-  row = s["results"][f"full / {method}"]
+                 "--methods", method, "--variants", "full", "--calibration_fraction", "0.1", "--uniform", devices=8)
+  row, seeds = s["results"][f"full / {method}"], s["per_seed"][f"full / {method}"]
+  assert seeds == {k: [v] for k, v in row.items()} and 0 <= row["shift_uni_ece"] <= 1 and 0 < row["ood_auroc_uni"] <= 1
   assert s["calibration_fraction"] == 0.1 and 0.25 <= row["T"] <= 8
   assert 0 <= row["ens_ece_at_T"] <= 1 and 0 <= row["shift_ens_ece_at_T"] <= 1 and row["resamples"] == 6
   assert row["T"] != 1 and row["shift_ens_ece_at_T"] != row["shift_ens_ece"]  # T is applied to the shifted sets
