@@ -66,3 +66,10 @@ def test_uncertainty_benchmark_tiny_with_a_calibration_set():
   assert s["calibration_fraction"] == 0.1 and 0.25 <= row["T"] <= 8
   assert 0 <= row["ens_ece_at_T"] <= 1 and 0 <= row["shift_ens_ece_at_T"] <= 1 and row["resamples"] == 6
   assert row["T"] != 1 and row["shift_ens_ece_at_T"] != row["shift_ens_ece"]  # T is applied to the shifted sets
+
+
+def test_weigh_common_benchmark_tiny():
+  s = run_module("benchmarks.weigh_common", "--common_examples", "2", "--repeats", "1", "--rounds", "1", devices=2)
+  assert s["devices"] == 2 and set(s["flops_over_own"]) == {"own", "common, 2 per particle"}
+  assert s["flops_over_own"]["common, 2 per particle"] > 1, "the common examples' forward pass costs FLOPs"
+  assert all(v > 0 for v in s["time_over_own"].values()) and all(v > 0 for v in s["peak_over_own"].values())
