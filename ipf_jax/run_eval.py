@@ -7,7 +7,7 @@ import itertools
 import json
 import logging
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -116,6 +116,7 @@ class RunEvaluation:
     if jax.process_index() == 0:
       path = os.path.join(self.workdir, f"eval_results{suffix}.json")
       try:
+        keep_narrowed(path, results)
         workdir_lib.write_atomic(path, json.dumps(
             {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
         fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
@@ -124,3 +125,36 @@ class RunEvaluation:
         log.error("could not write %s or the fused model (%s; %s)", path, e.strerror or e,
                   workdir_lib.free_space(self.workdir))
     return results
+
+
+def _coverage(results: dict) -> set:
+  """What an evaluation holds: its rows and extras, each shifted set, and the OOD set's name."""
+  out = {k for k in results if k != "step"} | {f"shifts/{k}" for k in results.get("shifts", {})}
+  return out | ({f"ood_dataset={results['ood_dataset']}"} if "ood_dataset" in results else set())
+
+
+def keep_narrowed(path: str, results: dict) -> Optional[str]:
+  """Before ``results`` replace the evaluation in ``path``: when that file holds something they lack (a
+  shifted set, the OOD set, a temperature, a row; say a rerun with fewer ``eval_shifts``) or cannot be read
+  as an evaluation, it is first copied to ``<name>.replaced.json`` (``.replaced.2.json``, ... if taken)
+  and a warning names it. Returns that path (``None``: nothing to keep). Raises ``OSError`` when the copy
+  cannot be written, so the caller keeps the old file rather than replace it."""
+  try:
+    with open(path) as f:
+      old = json.load(f)
+    lost = sorted(_coverage(old) - _coverage(results))
+    why = (f"held the evaluation of step {old.get('step')} with {', '.join(lost[:6])}"
+           f"{', ...' if len(lost) > 6 else ''}, which this evaluation lacks")
+  except OSError:  # none yet
+    return None
+  except (ValueError, AttributeError, TypeError):  # not JSON, or not an evaluation: kept whole, not ours to judge
+    lost, why = ["all of it"], "is not an evaluation this run can read"
+  if not lost:
+    return None
+  stem = path[:-len(".json")]
+  keep = next(c for c in (f"{stem}.replaced{'' if i == 1 else f'.{i}'}.json" for i in itertools.count(1))
+              if not os.path.exists(c))
+  with open(path, "rb") as f:
+    workdir_lib.write_atomic(keep, f.read())
+  log.warning("%s %s: it is kept as %s", os.path.basename(path), why, os.path.basename(keep))
+  return keep

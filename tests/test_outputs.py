@@ -69,6 +69,42 @@ def test_eval_only_prints_the_final_table(run):
   assert table(r.stdout) == table(out)
 
 
+def test_a_rerun_that_evaluates_less_keeps_the_evaluation_it_replaces(run, tmp_path):
+  """A finished run rerun without ``fused_bn_batches``: it only evaluates, and the earlier ``eval_results.json``
+  (which has the BN-re-estimated row) is kept, byte for byte, as ``eval_results.replaced.json``."""
+  import shutil
+  workdir = tmp_path / "copy"
+  shutil.copytree(run[0], workdir)
+  before = (workdir / "eval_results.json").read_bytes()
+  r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}")
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "eval_results.json held the evaluation of step 20 with fused_bn, which this evaluation lacks: it is kept as " \
+         "eval_results.replaced.json" in r.stdout
+  assert (workdir / "eval_results.replaced.json").read_bytes() == before
+  assert "fused_bn" not in json.load(open(workdir / "eval_results.json"))
+
+
+def test_keep_narrowed_against_the_files_it_finds(tmp_path):
+  """Which replacements keep the old file, and under which names: a narrower evaluation or a file that is not
+  one keeps it, a wider evaluation or no file keeps nothing."""
+  from ipf_jax import run_eval
+  wide = {"step": 20, "ensemble": {}, "shifts": {"contrast_1": {}, "blur_1": {}}, "ood": {}, "ood_dataset": "photos"}
+  path = tmp_path / "eval_results.step20.json"
+  path.write_text(json.dumps(wide))
+  narrow = {"ensemble": {}, "shifts": {"contrast_1": {}}, "ood": {}, "ood_dataset": "photos"}
+  assert run_eval.keep_narrowed(str(path), narrow) == str(tmp_path / "eval_results.step20.replaced.json")
+  assert run_eval.keep_narrowed(str(path), narrow) == str(tmp_path / "eval_results.step20.replaced.2.json")
+  for kept in ("eval_results.step20.replaced.json", "eval_results.step20.replaced.2.json"):
+    assert json.loads((tmp_path / kept).read_text()) == wide
+  assert json.loads(path.read_text()) == wide, "keep_narrowed copies; only the caller replaces"
+  assert run_eval.keep_narrowed(str(path), {**wide, "fused_bn": {}}) is None  # more than before: nothing lost
+  assert run_eval.keep_narrowed(str(path), {**wide, "ood_dataset": "other"}) is not None  # another OOD set
+  assert run_eval.keep_narrowed(str(tmp_path / "absent.json"), narrow) is None
+  (tmp_path / "bad.json").write_text("{not json")
+  assert run_eval.keep_narrowed(str(tmp_path / "bad.json"), narrow) == str(tmp_path / "bad.replaced.json")
+  assert (tmp_path / "bad.replaced.json").read_text() == "{not json"
+
+
 def test_eval_only_without_checkpoint_is_a_clear_error(tmp_path):
   r = helpers.run_train_py(tmp_path, "--eval_only")  # an existing workdir without checkpoints
   assert r.returncode != 0 and "error: --eval_only: no checkpoint in" in r.stderr and "Traceback" not in r.stderr
