@@ -50,6 +50,10 @@ HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every
                         "num_devices", "particle_axis_size", "num_cpu_devices"})
 
 
+# Fields that choose the training data: a checkpoint trained on data of another name is refused naming those changed.
+DATA_FIELDS = ("dataset", "train_fraction", "label_noise", "calibration_fraction")
+
+
 def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> list[str]:
   """``"field: saved -> now"`` for every field outside ``HOW_FIELDS`` whose value differs from the saved
   config's (a field one of them lacks: ``absent``)."""
@@ -87,10 +91,12 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
   trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree)."""
   saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
   if saved_data and data and saved_data != data:
+    fields = [f"config.{k} is {saved_flat[k]!r} there and {current_flat.get(k)!r} here" for k in DATA_FIELDS
+              if k in saved_flat and saved_flat[k] != current_flat.get(k)]
     raise CheckpointError(
-        f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} (config.dataset, or "
-        "the data you pass). Resume on the same data, or use a new --workdir to start a fresh run. Nothing was "
-        "changed.")
+        f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} ("
+        + ("; ".join(fields) if fields else "config.dataset, or the data you pass") + "). Run with the "
+        "checkpoint's values (its config.json), or use a new --workdir to start a fresh run. Nothing was changed.")
   if saved_sig == current_sig:
     return
   differing = sorted((p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),

@@ -256,6 +256,9 @@ def plot_shifts(results, path, plt):
   plt.close(fig)
 
 
+PICTURES = ("training_curves.png", "weights.png", "genealogy.png", "eval.png", "calibration.png", "shifts.png")
+
+
 def write_report(workdir: str, out: str | None = None) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
@@ -293,6 +296,10 @@ def main(argv=None):
                      f"({e.strerror or e}); choose another --out") from None
   for p in paths:
     print(p)
+  out = os.path.dirname(paths[0])
+  for name in sorted(set(PICTURES) - {os.path.basename(p) for p in paths}):
+    if os.path.exists(os.path.join(out, name)):  # kept, not deleted: it is not this report's to judge
+      print(f"note: {os.path.join(out, name)} is from an earlier report; this run's results have nothing for it")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,13 @@ def test_tensorboard_events_hold_every_step(run):
     assert set(scalars["resample/ancestor/0"][0]) == set(scalars["resample/event"][0][events > 0])
 
 
-def test_report_writes_pictures(run, tmp_path):
+def test_report_writes_pictures(run, tmp_path, capsys):
   workdir, _ = run
+  (tmp_path / "shifts.png").write_bytes(b"an earlier report's")  # this run has no shifted sets
+  report.main([str(workdir), "--out", str(tmp_path)])
+  out = capsys.readouterr().out
+  assert f"note: {tmp_path / 'shifts.png'} is from an earlier report; this run's results have nothing for it" in out
+  assert (tmp_path / "shifts.png").read_bytes() == b"an earlier report's", "kept, not deleted"
   paths = report.write_report(str(workdir), str(tmp_path))
   assert [p.rsplit("/", 1)[1] for p in paths] == ["training_curves.png", "weights.png", "genealogy.png", "eval.png",
                                                   "calibration.png"]

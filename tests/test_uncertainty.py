@@ -302,6 +302,12 @@ def test_calibration_is_held_out_before_label_noise_and_names_the_data(tmp_path)
   np.testing.assert_array_equal(noisy.calibration.test["label"], clean.calibration.test["label"])
   assert noisy.train_size == clean.train_size == 1212 and (noisy.train["label"] != clean.train["label"]).mean() > 0.4
   assert noisy.name == "digits (0.1 held out)" != helpers.digits_data().name  # a checkpoint of other data: refused
+  from ipf_jax import compatibility  # ... naming the field to put back
+  with pytest.raises(compatibility.CheckpointError, match=r"this run reads 'digits' \(config.calibration_fraction is "
+                     r"0.1 there and 0.0 here\)\. Run with the checkpoint's values"):
+    plain = helpers.tiny_config()
+    compatibility.check_compatible({}, plain.to_dict() | {"calibration_fraction": 0.1}, {}, plain, "w",
+                                   saved_data=noisy.name, data="digits")
   config = helpers.tiny_config(eval_shifts="blur")
   with pytest.raises(ConfigError, match="config.eval_shifts: the shifted and OOD sets are those of config.dataset"):
     trainer._Run(config, str(tmp_path / "w"), for_training=False, data=helpers.digits_data())
