@@ -50,8 +50,9 @@ HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every
                         "num_devices", "particle_axis_size", "num_cpu_devices"})
 
 
-# Fields that choose the training data: a checkpoint trained on data of another name is refused naming those changed.
-DATA_FIELDS = ("dataset", "train_fraction", "label_noise", "calibration_fraction")
+# Config fields a dataset's name records (``ArrayDataset.holdout`` adds "(0.1 held out)"): when a checkpoint's
+# data name differs from this run's, those that differ are named in the refusal.
+DATA_FIELDS = ("dataset", "calibration_fraction")
 
 
 def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> list[str]:
@@ -91,8 +92,9 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
   trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree)."""
   saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
   if saved_data and data and saved_data != data:
-    fields = [f"config.{k} is {saved_flat[k]!r} there and {current_flat.get(k)!r} here" for k in DATA_FIELDS
-              if k in saved_flat and saved_flat[k] != current_flat.get(k)]
+    shown, missing = (lambda d, k: repr(d[k]) if k in d else "absent"), object()
+    fields = [f"config.{k} is {shown(saved_flat, k)} there and {shown(current_flat, k)} here" for k in DATA_FIELDS
+              if saved_flat.get(k, missing) != current_flat.get(k, missing)]
     raise CheckpointError(
         f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} ("
         + ("; ".join(fields) if fields else "config.dataset, or the data you pass") + "). Run with the "

@@ -117,6 +117,12 @@ class RunEvaluation:
       path = os.path.join(self.workdir, f"eval_results{suffix}.json")
       try:
         keep_narrowed(path, results)
+      except OSError as e:
+        log.error("could not keep %s before replacing it (%s; %s): it is left as it was, and neither this "
+                  "evaluation's results nor its fused model are written", path, e.strerror or e,
+                  workdir_lib.free_space(self.workdir))
+        return results
+      try:
         workdir_lib.write_atomic(path, json.dumps(
             {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
         fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
@@ -145,9 +151,9 @@ def keep_narrowed(path: str, results: dict) -> Optional[str]:
     lost = sorted(_coverage(old) - _coverage(results))
     why = (f"held the evaluation of step {old.get('step')} with {', '.join(lost[:6])}"
            f"{', ...' if len(lost) > 6 else ''}, which this evaluation lacks")
-  except OSError:  # none yet
+  except FileNotFoundError:  # none yet
     return None
-  except (ValueError, AttributeError, TypeError):  # not JSON, or not an evaluation: kept whole, not ours to judge
+  except (OSError, ValueError, AttributeError, TypeError):  # unreadable, or not an evaluation: not ours to judge
     lost, why = ["all of it"], "is not an evaluation this run can read"
   if not lost:
     return None

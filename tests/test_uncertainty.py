@@ -308,6 +308,10 @@ def test_calibration_is_held_out_before_label_noise_and_names_the_data(tmp_path)
     plain = helpers.tiny_config()
     compatibility.check_compatible({}, plain.to_dict() | {"calibration_fraction": 0.1}, {}, plain, "w",
                                    saved_data=noisy.name, data="digits")
+  older = {k: v for k, v in plain.to_dict().items() if k != "calibration_fraction"}  # a config without the field
+  with pytest.raises(compatibility.CheckpointError, match=r"\(config.calibration_fraction is absent there and 0.1 "):
+    compatibility.check_compatible({}, older, {}, helpers.tiny_config(calibration_fraction=0.1), "w",
+                                   saved_data="digits", data=noisy.name)
   config = helpers.tiny_config(eval_shifts="blur")
   with pytest.raises(ConfigError, match="config.eval_shifts: the shifted and OOD sets are those of config.dataset"):
     trainer._Run(config, str(tmp_path / "w"), for_training=False, data=helpers.digits_data())
