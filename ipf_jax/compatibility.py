@@ -55,13 +55,19 @@ HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every
 DATA_FIELDS = ("dataset", "calibration_fraction")
 
 
+def _differences(saved: dict, current: dict, fields) -> list[tuple[str, str, str]]:
+  """``(field, saved value, current value)`` (``repr``, or ``absent`` where a config lacks it) for each of
+  ``fields`` whose values differ."""
+  missing, shown = object(), lambda d, k: repr(d[k]) if k in d else "absent"
+  return [(k, shown(saved, k), shown(current, k)) for k in fields if saved.get(k, missing) != current.get(k, missing)]
+
+
 def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> list[str]:
   """``"field: saved -> now"`` for every field outside ``HOW_FIELDS`` whose value differs from the saved
   config's (a field one of them lacks: ``absent``)."""
-  saved, current, missing = _flat_config(saved_config), _flat_config(config), object()
-  shown = lambda d, k: repr(d[k]) if k in d else "absent"
-  return [f"{k}: {shown(saved, k)} -> {shown(current, k)}" for k in sorted((set(saved) | set(current)) - HOW_FIELDS)
-          if saved.get(k, missing) != current.get(k, missing)]
+  saved, current = _flat_config(saved_config), _flat_config(config)
+  return [f"{k}: {a} -> {b}" for k, a, b in _differences(saved, current, sorted((set(saved) | set(current))
+                                                                                 - HOW_FIELDS))]
 
 
 def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
@@ -92,9 +98,8 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
   trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree)."""
   saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
   if saved_data and data and saved_data != data:
-    shown, missing = (lambda d, k: repr(d[k]) if k in d else "absent"), object()
-    fields = [f"config.{k} is {shown(saved_flat, k)} there and {shown(current_flat, k)} here" for k in DATA_FIELDS
-              if saved_flat.get(k, missing) != current_flat.get(k, missing)]
+    fields = [f"config.{k} is {a} there and {b} here" for k, a, b in _differences(saved_flat, current_flat,
+                                                                                  DATA_FIELDS)]
     raise CheckpointError(
         f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} ("
         + ("; ".join(fields) if fields else "config.dataset, or the data you pass") + "). Run with the "

@@ -256,7 +256,11 @@ def plot_shifts(results, path, plt):
   plt.close(fig)
 
 
-PICTURES = ("training_curves.png", "weights.png", "genealogy.png", "eval.png", "calibration.png", "shifts.png")
+# The pictures: from the TensorBoard scalars, always; from the results file, when it has what each needs.
+SCALAR_PICTURES = (("training_curves.png", plot_training_curves), ("weights.png", plot_weights),
+                   ("genealogy.png", plot_genealogy), ("eval.png", plot_eval))
+RESULT_PICTURES = (("calibration.png", plot_reliability, "ensemble"), ("shifts.png", plot_shifts, "shifts"))
+PICTURES = tuple(p[0] for p in SCALAR_PICTURES + RESULT_PICTURES)
 
 
 def write_report(workdir: str, out: str | None = None) -> list[str]:
@@ -267,14 +271,12 @@ def write_report(workdir: str, out: str | None = None) -> list[str]:
   out = out or os.path.join(workdir, "report")
   os.makedirs(out, exist_ok=True)
   paths = []
-  for name, fn in (("training_curves.png", plot_training_curves), ("weights.png", plot_weights),
-                   ("genealogy.png", plot_genealogy), ("eval.png", plot_eval)):
+  for name, fn in SCALAR_PICTURES:
     path = os.path.join(out, name)
     fn(scalars, path, plt)
     paths.append(path)
   results = read_results(workdir)
-  pictures = [("calibration.png", plot_reliability, "ensemble"), ("shifts.png", plot_shifts, "shifts")]
-  for name, fn, needs in pictures if results else ():
+  for name, fn, needs in RESULT_PICTURES if results else ():
     if needs in results and (needs != "ensemble" or "reliability" in results["ensemble"]):
       path = os.path.join(out, name)
       fn(results, path, plt)

@@ -143,24 +143,26 @@ def keep_narrowed(path: str, results: dict) -> Optional[str]:
   """Before ``results`` replace the evaluation in ``path``: when that file holds something they lack (a
   shifted set, the OOD set, a temperature, a row; say a rerun with fewer ``eval_shifts``) or cannot be read
   as an evaluation, it is first copied to ``<name>.replaced.json`` (``.replaced.2.json``, ... if taken)
-  and a warning names it. Returns that path (``None``: nothing to keep). Raises ``OSError`` when the copy
-  cannot be written, so the caller keeps the old file rather than replace it."""
+  and a warning names it. Returns that path (``None``: nothing to keep). Raises ``OSError`` when the file is
+  there but cannot be read, or the copy cannot be written, so the caller leaves the old file as it is."""
   try:
-    with open(path) as f:
-      old = json.load(f)
+    with open(path, "rb") as f:
+      held = f.read()
+    old = json.loads(held)
     lost = sorted(_coverage(old) - _coverage(results))
     why = (f"held the evaluation of step {old.get('step')} with {', '.join(lost[:6])}"
            f"{', ...' if len(lost) > 6 else ''}, which this evaluation lacks")
   except FileNotFoundError:  # none yet
     return None
-  except (OSError, ValueError, AttributeError, TypeError):  # unreadable, or not an evaluation: not ours to judge
+  except OSError:  # there but unreadable: it cannot be kept either, so the caller leaves it as it is
+    raise
+  except (ValueError, AttributeError, TypeError):  # not an evaluation: kept whole, not ours to judge
     lost, why = ["all of it"], "is not an evaluation this run can read"
   if not lost:
     return None
   stem = path[:-len(".json")]
   keep = next(c for c in (f"{stem}.replaced{'' if i == 1 else f'.{i}'}.json" for i in itertools.count(1))
               if not os.path.exists(c))
-  with open(path, "rb") as f:
-    workdir_lib.write_atomic(keep, f.read())
+  workdir_lib.write_atomic(keep, held)
   log.warning("%s %s: it is kept as %s", os.path.basename(path), why, os.path.basename(keep))
   return keep
