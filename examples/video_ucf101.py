@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from functools import partial
 from typing import Iterator
 
@@ -22,6 +23,7 @@ import numpy as np
 
 import ipf_jax
 from ipf_jax.data import tfds_input
+from ipf_jax.data.errors import DataError
 
 
 class Block2Plus1D(nn.Module):
@@ -156,4 +158,7 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
   args = parse_args()
-  main(args.workdir, args.data_dir, args.steps)
+  try:
+    main(args.workdir, args.data_dir, args.steps)
+  except DataError as e:  # the data is not prepared: one line that says how to prepare it
+    sys.exit(f"error: {e}")

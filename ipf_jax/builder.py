@@ -61,6 +61,8 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
     devices: default ``jax.devices()[:config.num_devices or all]``.
     spec: override of ``configuration.particle_spec(config)`` (benchmarks isolate parts of the step).
   """
+  if devices is None:
+    configuration.setup_devices(config)
   devices = list(devices or jax.devices()[:config.num_devices or jax.device_count()])
   dp, _ = configuration.validate(config, len(devices))
   mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)

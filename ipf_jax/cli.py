@@ -137,7 +137,7 @@ def main(argv):
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
   quiet.quiet_background_failures()  # and those of a background save that fails (a full disk)
-  trainer.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
+  configuration.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
   watch = cluster.start(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                         startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
   error = None

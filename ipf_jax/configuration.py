@@ -44,6 +44,32 @@ class ConfigError(ValueError):
     self.field = field
 
 
+def setup_devices(config: ml_collections.ConfigDict) -> None:
+  """Splits a CPU-only host into ``config.num_cpu_devices`` devices (0: leave JAX's count).
+
+  Every entry point calls it first (``train_and_evaluate``, ``evaluate_checkpoint``, ``check_run``,
+  ``build``, ``train.py``), before anything starts JAX's backend. If the caller already started it
+  (any ``jax.devices()`` or JAX operation) with another number of CPU devices, the split can no
+  longer be made: ``ConfigError``, rather than a run on devices the config did not ask for.
+  """
+  n = config.num_cpu_devices
+  if not n:
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", n)  # the same value after start-up is accepted
+    return
+  except RuntimeError:  # JAX's backend is running already, with another CPU device count
+    pass
+  if jax.default_backend() != "cpu":
+    return  # the CPU split concerns CPU-only hosts; accelerators are used as they are
+  have = len(jax.local_devices(backend="cpu"))
+  raise ConfigError("num_cpu_devices", f"asks for {n} CPU devices, but JAX's backend was started before the run "
+                    f"with {have}, and the count can only be set before JAX's first operation. Set config."
+                    f"num_cpu_devices={have} (or 0: use what is there), or start the run before any other JAX "
+                    "call (jax.devices(), an array op), or set jax.config.update(\"jax_num_cpu_devices\", "
+                    f"{n}) right after `import jax`.")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParticleSpec:
   """The particle filter's static settings (DESIGN.md §3), resolved from the mode."""

@@ -39,13 +39,7 @@ class NonFiniteError(FloatingPointError):
   """Every particle's loss or gradient became non-finite."""
 
 
-def setup_devices(config: ml_collections.ConfigDict) -> None:
-  """Splits a CPU-only host into ``config.num_cpu_devices`` devices (before JAX starts its backend)."""
-  if config.num_cpu_devices:
-    try:
-      jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
-    except RuntimeError as e:  # backend already running (e.g. inside a test); keep what it has
-      log.warning("num_cpu_devices=%d not applied: %s", config.num_cpu_devices, e)
+setup_devices = configuration.setup_devices  # the one home of the device split (re-exported)
 
 
 class _LogFile(logging.FileHandler):
@@ -264,6 +258,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Op
   ``step_hook(step, state, batch) -> (state, batch)``, if given, runs before
   every step (fault-injection tests).
   """
+  setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
   with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
     run = _Run(config, workdir, task=task, data=data)
     try:

@@ -203,3 +203,49 @@ def run_processes(argv, num_processes, timeout=600, expect=0):
   for rc, out in results:
     assert rc == expect, out[-5000:]
   return [out for _, out in results]
+
+
+def copy_checkout(dest):
+  """The checkout's tracked and untracked-not-ignored files, copied to ``dest`` (a clean clone's tree)."""
+  import os
+  import shutil
+  import subprocess
+  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+  for f in files.stdout.split():
+    if os.path.exists(os.path.join(ROOT, f)):
+      os.makedirs(os.path.join(dest, os.path.dirname(f)), exist_ok=True)
+      shutil.copyfile(os.path.join(ROOT, f), os.path.join(dest, f))
+  return dest
+
+
+def fresh_venv(venv):
+  """A new virtualenv, as a user makes it, that sees this environment's packages (what ``pip install -r
+  requirements.txt`` installed here) through a ``.pth`` file; returns its ``bin`` directory.
+
+  ``--system-site-packages`` would not do: made from inside a virtualenv (``.ci/run`` makes one) it sees
+  the base interpreter's packages, not this environment's. The venv's own bundled setuptools (65.5 on
+  Python 3.11) is removed, as ``pip install -r requirements.txt`` would have upgraded it."""
+  import os
+  import site
+  import subprocess
+  import sys
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+  bin_dir = os.path.join(str(venv), "bin")
+  py = os.path.join(bin_dir, "python")
+  subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=False, capture_output=True)
+  inner = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+  with open(os.path.join(inner, "outer_environment.pth"), "w") as f:
+    f.write("\n".join(site.getsitepackages()) + "\n")
+  return bin_dir
+
+
+def venv_env(bin_dir):
+  """The environment of a shell in ``fresh_venv``: its ``bin`` first on ``PATH``, no ``PYTHONPATH``, and pip
+  offline (no index; the build uses this environment's setuptools; ``PIP_NO_BUILD_ISOLATION=0`` means
+  "no build isolation", pip's reading of the variable)."""
+  import os
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+  return dict(env, PATH=bin_dir + os.pathsep + env.get("PATH", ""), JAX_PLATFORMS="cpu", PIP_NO_INDEX="1",
+              PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1", VIRTUAL_ENV=os.path.dirname(bin_dir))

@@ -18,6 +18,7 @@ import io
 import os
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -82,6 +83,33 @@ def _workdir(tokens):
   reads = tokens[:3] == ["python", "-m", "ipf_jax.report"] and len(tokens) > 3 or tokens[:2] == ["tensorboard",
                                                                                                   "--logdir"]
   return tokens[-1] if reads else None
+
+
+def library_commands(text):
+  """The lines of the bash blocks of README's "Use it as a library" section, as a user would paste them."""
+  section = text[text.index("## Use it as a library"):]
+  section = section[:section.index("\n## ")]
+  return [line for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+          for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_library_commands_run_verbatim_in_a_fresh_environment(tmp_path):
+  """README's library commands, pasted into a shell in a fresh virtualenv in a copy of the checkout (pip
+  offline: the dependencies are this environment's, see ``helpers.venv_env``): the install first, then each
+  example as written. The one with the placeholder data path must stop on the missing data alone."""
+  commands = library_commands(open(README).read())
+  assert commands[0].split("#")[0].split() == ["pip", "install", "-e", "."], commands
+  src = helpers.copy_checkout(tmp_path / "checkout")
+  env = helpers.venv_env(helpers.fresh_venv(tmp_path / "venv"))
+  for line in commands:
+    r = subprocess.run(["bash", "-c", line], cwd=src, env=env, capture_output=True, text=True, timeout=600)
+    if PLACEHOLDER in line:
+      assert r.returncode != 0 and "ucf101" in r.stderr and "Traceback" not in r.stderr, (line, r.stderr[-3000:])
+    else:
+      assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-3000:])
+    if "custom_model.py" in line:
+      assert "mesh (particle, data)=(4, 1) on 4 cpu device(s)" in r.stdout, r.stdout  # config.num_cpu_devices
+      assert "ensemble accuracy" in r.stdout, r.stdout
 
 
 def test_readme_claims_the_example_length():
