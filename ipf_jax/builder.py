@@ -67,6 +67,11 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
   dp, _ = configuration.validate(config, len(devices))
   mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
   spec = spec or configuration.particle_spec(config)
+  if getattr(task.model, "shared_init_only", False) and not spec.shared_init:
+    raise configuration.ConfigError(
+        "init", f"mode={config.mode!r} with init={config.init!r} starts each particle from its own init, but the "
+        "task's model is an nnx.Module instance, which gives every particle its values. Pass a constructor "
+        "instead, Task(model=lambda rngs: MyModel(..., rngs=rngs)), or set config.init='shared'")
   total, warmup = optim.train_steps(config, steps_per_epoch)
   lr_fn = optim.create_learning_rate_fn(config, total, warmup)
   tx = optim.create_optimizer(config, lr_fn)

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ipf_jax import correction
 from ipf_jax import filter as pf
+from ipf_jax import nnx_bridge
 from ipf_jax import sharing
 from ipf_jax.data.layout import TRAIN_BATCH_SPEC
 from ipf_jax.mesh import PARTICLE
@@ -113,9 +114,14 @@ def load_fused(path: str, model=None):
   """``(module, variables)`` of an exported fused model (``path`` without extension).
 
   ``model``: the Flax module to return (a model you brought); by default the zoo model the export names.
+  A Linen module is returned as given (``module.apply(variables, x, train=False)``); an NNX module or
+  constructor comes back as an ``nnx.Module`` holding the fused values, in eval mode (``module(x)``).
   """
   with open(path + ".msgpack", "rb") as f:
     variables = serialization.msgpack_restore(f.read())
+  if isinstance(model, nnx_bridge.NNXModel) or (model is not None and nnx_bridge.is_nnx(model)):
+    adapted = model if isinstance(model, nnx_bridge.NNXModel) else nnx_bridge.NNXModel(model)
+    return adapted.module(variables), variables
   if model is None:
     with open(path + ".json") as f:
       fields = json.load(f)

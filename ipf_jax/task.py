@@ -13,7 +13,11 @@ combine with ``+``/``psum``.
 The model is called as ``model.apply(variables, batch[inputs], train=train)``
 (``inputs=None``: the whole batch dict), with a ``"dropout"`` key (one per
 particle and data shard, derived from the step) when ``rngs`` asks for it, and
-``batch_stats`` mutable in train mode when the model has BatchNorm.
+``batch_stats`` mutable in train mode when the model has BatchNorm. A Flax NNX
+module (or a constructor ``rngs -> nnx.Module``) is taken as it is: it is split
+into ``params`` (``nnx.Param``) and ``batch_stats`` (``nnx.BatchStat``), its RNG
+streams are keyed per particle and step, and it is called as ``module(inputs)``
+after ``module.train()`` / ``module.eval()`` (``ipf_jax.nnx_bridge``).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from ipf_jax import metrics as metrics_lib
+from ipf_jax import nnx_bridge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +38,9 @@ class Task:
   """A model and how it learns and is scored.
 
   Attributes:
-    model: any Flax module taking ``(inputs, train=bool)``.
+    model: any Flax Linen module taking ``(inputs, train=bool)``; or a Flax NNX module called as
+      ``module(inputs)`` (an instance: every particle starts from its values; a constructor
+      ``rngs -> nnx.Module``: each particle from its own key), see ``ipf_jax.nnx_bridge``.
     loss: ``(outputs, batch) -> [b]`` per-example loss (a particle's loss is its mean over the
       particle's examples; the gradient flows through it).
     predictive: ``(outputs, batch) -> pytree of [b, ...]``: what the ensembles average.
@@ -41,12 +48,13 @@ class Task:
     finalize: host ``sums -> {metric: value}``.
     columns: ``(title, metric, format)`` of the final table, e.g. ``("NLL", "nll", "{:.4f}")``.
     inputs: the batch field the model takes, or ``None`` for the whole batch.
-    rngs: RNG streams the model draws in train mode, e.g. ``("dropout",)``.
+    rngs: RNG streams the model draws in train mode, e.g. ``("dropout",)`` (NNX: by default the streams
+      its ``nnx.Rngs`` hold).
     diversity: ``(predictive [L, b, ...], alive [L], mask [b], total) -> dict of additive sums`` of the
       population's diversity (``total`` sums an array over all particles), or ``None``.
     finalize_diversity: host ``sums -> {metric: value}`` for ``diversity``.
   """
-  model: nn.Module
+  model: Any  # nn.Module, or nnx_bridge.NNXModel (made from an NNX module in __post_init__)
   loss: Callable[[Any, dict], jax.Array]
   predictive: Callable[[Any, dict], Any]
   score: Callable[[Any, dict, jax.Array], dict]
@@ -58,6 +66,9 @@ class Task:
   finalize_diversity: Optional[Callable[[dict], dict]] = None
 
   def __post_init__(self):
+    if nnx_bridge.is_nnx(self.model):  # frozen: the adapted model replaces the one given, once
+      object.__setattr__(self, "model", nnx_bridge.NNXModel(self.model))
+      object.__setattr__(self, "rngs", self.rngs or self.model.streams)
     if (self.diversity is None) != (self.finalize_diversity is None):
       raise ValueError("Task: diversity and finalize_diversity go together (set both or neither)")
 
