@@ -41,7 +41,9 @@ def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=No
   return s, ref, spmd_records, ref_records
 
 
-def assert_same_run(s, ref, spmd_records, ref_records, rtol=2e-4, atol=2e-5):
+def assert_same_run(s, ref, spmd_records, ref_records, rtol=2e-4, atol=2e-5, outliers=0.0, outlier_atol=0.0):
+  """The records and the final states agree (``outliers``, ``outlier_atol``: ``helpers.assert_close``;
+  float16: ``FP16_TOL``)."""
   for k, (m, r) in enumerate(zip(spmd_records, ref_records)):
     np.testing.assert_allclose(m["loss"], r["loss"], rtol=rtol / 2, atol=atol / 2, err_msg=f"loss at step {k}")
     if "loss_scale" in r:
@@ -54,7 +56,8 @@ def assert_same_run(s, ref, spmd_records, ref_records, rtol=2e-4, atol=2e-5):
       np.testing.assert_allclose(m["ess"], r["ess"], rtol=1e-4, err_msg=f"ESS at step {k}")
   final = s.host_state()
   params, batch_stats, opt_state = ref.stacked()
-  close = lambda a, b: helpers.assert_close(a, b, rtol=rtol, atol=atol)
+  close = lambda a, b: helpers.assert_close(a, b, rtol=rtol, atol=atol, outliers=outliers,
+                                            outlier_atol=outlier_atol)
   close(final.params, params)
   close(final.batch_stats, batch_stats)
   close(final.opt_state, opt_state)
@@ -212,9 +215,14 @@ def _magnify_head(factor, particle):
   return edit
 
 
-# float16 tolerances: its epsilon is 2^-10 ~ 1e-3, and rounding differs between the vmapped,
-# sharded step and the reference, so differences of that order accumulate over steps.
-FP16_TOL = {"rtol": 1e-2, "atol": 2e-3}
+# float16 tolerances. Its epsilon is 2^-10 ~ 1e-3, and the vmapped, sharded step and the reference add the
+# same products in other orders (which order: XLA's version and optimisation level decide), so differences of
+# that order accumulate over steps: 1% relative, 2e-3 absolute. An entry of a float16 gradient is a rounded
+# sum of many products, and where they cancel its rounding error is set by the size of the products, not of
+# the sum: on jax 0.12 at full optimisation, 10 of 2,304 momentum entries of one leaf (max 0.12) differ by
+# up to 0.004. So up to 1% of a leaf's entries may miss the first bound if each stays within 2^-4 (6%) of
+# the leaf's largest magnitude; a wrong particle, step or update moves most of a leaf, not 1% of it.
+FP16_TOL = {"rtol": 1e-2, "atol": 2e-3, "outliers": 0.01, "outlier_atol": 2.0 ** -4}
 
 
 @pytest.mark.full_optimisation
