@@ -52,7 +52,8 @@ def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
 
 
 def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1,
-          devices: Optional[Sequence[jax.Device]] = None, spec: Optional[configuration.ParticleSpec] = None) -> Parts:
+          devices: Optional[Sequence[jax.Device]] = None, spec: Optional[configuration.ParticleSpec] = None,
+          optimizer: Optional[optim.Optimizer] = None) -> Parts:
   """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
 
   Args:
@@ -60,6 +61,8 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
     steps_per_epoch: for ``num_epochs`` / ``warmup_epochs``.
     devices: default ``jax.devices()[:config.num_devices or all]``.
     spec: override of ``configuration.particle_spec(config)`` (benchmarks isolate parts of the step).
+    optimizer: ``lr_fn -> optax.GradientTransformation`` for one particle, e.g.
+      ``lambda lr: optax.adamw(lr, weight_decay=0.05)``; default the config's SGD (``optim.create_optimizer``).
   """
   if devices is None:
     configuration.setup_devices(config)
@@ -74,7 +77,7 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
         "instead, Task(model=lambda rngs: MyModel(..., rngs=rngs)), or set config.init='shared'")
   total, warmup = optim.train_steps(config, steps_per_epoch)
   lr_fn = optim.create_learning_rate_fn(config, total, warmup)
-  tx = optim.create_optimizer(config, lr_fn)
+  tx = optim.make_optimizer(config, lr_fn, optimizer)
   abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh)
   return Parts(config=config, task=task, mesh=mesh, spec=spec, total_steps=total, lr_fn=lr_fn, tx=tx,
                abstract_state=abstract, init_state=init,
@@ -83,8 +86,9 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
                fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop))
 
 
-def state_shapes(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1):
+def state_shapes(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1,
+                 optimizer: Optional[optim.Optimizer] = None):
   """The shapes and dtypes of the state ``config`` builds for ``task`` (no mesh, nothing compiled)."""
   total, warmup = optim.train_steps(config, steps_per_epoch)
-  tx = optim.create_optimizer(config, optim.create_learning_rate_fn(config, total, warmup))
+  tx = optim.make_optimizer(config, optim.create_learning_rate_fn(config, total, warmup), optimizer)
   return state_lib.train_state_shapes(config, configuration.particle_spec(config), task, tx, example)

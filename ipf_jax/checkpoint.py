@@ -105,9 +105,10 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, read_only: bool = False,
-               data_name: Optional[str] = None):
+               data_name: Optional[str] = None, optimizer: Optional[dict] = None):
     self.directory = epath.Path(workdir).absolute() / "checkpoints"
     self.keep, self.async_save, self.read_only, self.data_name = keep, async_save, read_only, data_name
+    self.optimizer = optimizer  # optim.optimizer_record of this run: saved, and compared on restore
     self._manager = None  # created at the first save: a run that is refused creates nothing
     self._pending: Optional[int] = None  # step of the save in flight
     self._quarantine = quiet.Quarantine()
@@ -148,7 +149,7 @@ class Checkpointer:
       return  # already saved (e.g. a stop right after a periodic save)
     self._check_space(step, state)
     meta = {"step": int(step), "config": json.loads(config.to_json()), "num_devices": jax.device_count(),
-            "num_processes": jax.process_count(), "data": self.data_name}
+            "num_processes": jax.process_count(), "data": self.data_name, "optimizer": self.optimizer}
     self._pending = step
     self._quarantine.begin()
     try:
@@ -282,7 +283,7 @@ class Checkpointer:
       why = None if meta is not None else saved_or_why
       if why is None:
         check_compatible(saved_or_why, meta["config"], current, config, where, shapes_for, meta.get("data"),
-                         self.data_name)
+                         self.data_name, meta.get("optimizer"), self.optimizer)
         state, why = self._restore(step, abstract_state)
       if not _everywhere(why is None):
         damaged.append((step, why or "another process could not read its part of it"))
@@ -308,7 +309,7 @@ class Checkpointer:
       meta, saved_or_why = self._read(step)
       if meta is not None:
         check_compatible(saved_or_why, meta["config"], current, config, str(self.directory / str(step)), shapes_for,
-                         meta.get("data"), self.data_name)
+                         meta.get("data"), self.data_name, meta.get("optimizer"), self.optimizer)
         return step, meta["config"]
     if self.steps() or self.set_aside():
       raise CheckpointError(f"no checkpoint in {self.directory} can be read: a run would stop here. Nothing was "

@@ -93,9 +93,12 @@ def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
 def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Signature,
                      config: ml_collections.ConfigDict, where: str,
                      shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
-                     saved_data: Optional[str] = None, data: Optional[str] = None) -> None:
+                     saved_data: Optional[str] = None, data: Optional[str] = None,
+                     saved_optimizer: Optional[dict] = None, optimizer: Optional[dict] = None) -> None:
   """Raises ``CheckpointError`` when the saved state cannot be restored into this run's state, or was
-  trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree)."""
+  trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree).
+  ``saved_optimizer`` / ``optimizer``: ``optim.optimizer_record`` of the checkpoint's and this run's
+  optimizers (older checkpoints have none), named when only the optimizer state differs."""
   saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
   if saved_data and data and saved_data != data:
     fields = [f"config.{k} is {a} there and {b} here" for k, a, b in _differences(saved_flat, current_flat,
@@ -117,11 +120,27 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
     now = ", ".join(f"config.{f}={current_flat[f]!r}" for f in fields)
     flags = " ".join(f"--config.{f}={_flag_value(saved_flat[f])}" for f in fields)
     cause = f"It was written with {was}; this run has {now}. Resume with {flags}, or"
+  elif all(p.split("/")[0] in OPTIMIZER_LEAVES for p in differing):
+    cause = _optimizer_cause(saved_optimizer, optimizer)
   else:
     cause = ("The config fields that shape the state agree, so it was probably written by another version of "
              "ipf_jax; resume with that version, or")
   raise CheckpointError(f"the checkpoint in {where} does not fit this run's state: {what}. {cause} use a new "
                         "--workdir to start a fresh run. Nothing was changed.")
+
+
+OPTIMIZER_LEAVES = ("opt_state", "shared_opt_state")  # the state's fields that only the optimizer shapes
+
+
+def _optimizer_cause(saved: Optional[dict], current: Optional[dict]) -> str:
+  """The model's state fits and the optimizer's does not: the checkpoint was written by another optimizer."""
+  here = f"{current['name']} (state: {current['state']})" if current else "this run's optimizer"
+  if saved:
+    there = f"{saved['name']} (state: {saved['state']})"
+    return (f"Only the optimizer state differs: it was written by the optimizer {there}, and this run's is {here}. "
+            "Resume with the optimizer that wrote it (train_and_evaluate(optimizer=...)), or")
+  return (f"Only the optimizer state differs: it was written by another optimizer than this run's, {here} (the "
+          "checkpoint predates the record of its optimizer). Resume with the optimizer that wrote it, or")
 
 
 def _flag_value(value) -> str:

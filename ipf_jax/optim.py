@@ -1,7 +1,9 @@
 """Optimizer, learning-rate schedule and the LR scaling rule (DESIGN.md §3.4)."""
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,57 @@ def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -
   parts.append(optax.sgd(lr_fn, momentum=config.momentum or None,
                          nesterov=config.nesterov and bool(config.momentum)))
   return optax.chain(*parts)
+
+
+Optimizer = Callable[[optax.Schedule], optax.GradientTransformation]  # the run's schedule -> one particle's tx
+
+
+def builtin_name(config: ml_collections.ConfigDict) -> str:
+  """The built-in optimizer in words, e.g. ``sgd(momentum=0.9, nesterov=True, weight_decay=0.0005)``."""
+  parts = [f"momentum={config.momentum}", f"nesterov={bool(config.nesterov and config.momentum)}",
+           f"weight_decay={config.weight_decay}"] + ([f"grad_clip_norm={config.grad_clip_norm}"]
+                                                     if config.grad_clip_norm else [])
+  return f"sgd({', '.join(parts)})"
+
+
+def _callable_name(fn) -> str:
+  if isinstance(fn, functools.partial):
+    return _callable_name(fn.func)
+  name = getattr(fn, "__name__", None)
+  return "a custom optimizer" if not name or "<lambda>" in name else name
+
+
+def state_kind(opt_state) -> str:
+  """The optimizer state's kind: its optax state types in order (``EmptyState`` left out), e.g.
+  ``TraceState, ScaleByScheduleState`` for SGD with momentum, ``ScaleByAdamState, ScaleByScheduleState``
+  for AdamW. Arrays inside (the parameter trees) are not looked into."""
+  names = []
+
+  def visit(node):
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      if type(node).__name__ != "EmptyState":
+        names.append(type(node).__name__)
+      for child in node:
+        visit(child)
+    elif isinstance(node, (tuple, list)):
+      for child in node:
+        visit(child)
+
+  visit(opt_state)
+  return ", ".join(names) or "no state"
+
+
+def optimizer_record(config: ml_collections.ConfigDict, optimizer: Optional[Optimizer], opt_state) -> dict:
+  """What a checkpoint records of the optimizer that wrote it: ``{"name": ..., "state": state_kind}``."""
+  name = builtin_name(config) if optimizer is None else _callable_name(optimizer)
+  return {"name": name, "state": state_kind(opt_state)}
+
+
+def make_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule,
+                   optimizer: Optional[Optimizer] = None) -> optax.GradientTransformation:
+  """``optimizer(lr_fn)`` (a library user's, e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``), else the
+  built-in ``create_optimizer``."""
+  return create_optimizer(config, lr_fn) if optimizer is None else optimizer(lr_fn)
 
 
 def create_dynamic_scale(config: ml_collections.ConfigDict) -> dynamic_scale.DynamicScale | None:

@@ -116,7 +116,8 @@ class _Run(run_eval.RunEvaluation):
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True,
-               task: Optional[Task] = None, data=None, check_only: bool = False):
+               task: Optional[Task] = None, data=None, check_only: bool = False,
+               optimizer: Optional[optim.Optimizer] = None):
     setup_devices(config)
     configuration.validate(config, jax.device_count())
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
@@ -132,7 +133,10 @@ class _Run(run_eval.RunEvaluation):
           "num_epochs" if config.num_epochs else "warmup_epochs",
           f"the data {self.dataset.name!r} does not know its epoch length; give it one (ipf_jax.Data("
           "steps_per_epoch_fn=...)) or count in steps (num_train_steps, warmup_steps)")
-    self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch or 1)
+    self.optimizer = optimizer
+    self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch or 1,
+                                 optimizer=optimizer)
+    self.optimizer_record = optim.optimizer_record(config, optimizer, self.parts.abstract_state.opt_state)
     self.spec, self.mesh, self.total, self.lr_fn = (self.parts.spec, self.parts.mesh, self.parts.total_steps,
                                                     self.parts.lr_fn)
     if check_only and for_training:
@@ -157,7 +161,7 @@ class _Run(run_eval.RunEvaluation):
     you brought, with your model): what a checkpoint must match. Compiles nothing."""
     task = build_lib.zoo_task(config, self.dataset.num_classes) if self.zoo else self.task
     return compatibility.signature(build_lib.state_shapes(config, task, self.dataset.example,
-                                                          self.steps_per_epoch or 1))
+                                                          self.steps_per_epoch or 1, self.optimizer))
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer):
     """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""
@@ -169,6 +173,11 @@ class _Run(run_eval.RunEvaluation):
     state, meta = restored
     log.info("%s %s at step %d (written on %d device(s))", "resumed from" if self.for_training else "evaluating",
              ckpt.directory / str(meta["step"]), int(state.step), meta["num_devices"])
+    saved_optimizer = meta.get("optimizer")
+    if saved_optimizer and saved_optimizer != self.optimizer_record:  # the state fits, the optimizer is new
+      log.warning("this run's optimizer differs from the checkpoint's: %s (%s) there, %s (%s) here; %s with this "
+                  "run's", saved_optimizer["name"], saved_optimizer["state"], self.optimizer_record["name"],
+                  self.optimizer_record["state"], "training continues" if self.for_training else "it is evaluated")
     changed = compatibility.changed_fields(meta["config"], self.config)
     if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
       log.warning("this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",
@@ -192,11 +201,13 @@ def _no_checkpoint(ckpt) -> checkpoint_lib.CheckpointError:
 
 
 def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool = False,
-              task: Optional[Task] = None, data=None) -> str:
+              task: Optional[Task] = None, data=None, optimizer: Optional[optim.Optimizer] = None) -> str:
   """``train.py --dry_run``: every check a run makes before it trains (config, devices, data, workdir) and
   the plan, in words. Creates, compiles and writes nothing; raises the error the run would raise."""
-  run = _Run(config, workdir, for_training=not eval_only, task=task, data=data, check_only=True)
-  ckpt = checkpoint_lib.Checkpointer(workdir, read_only=True, data_name=run.dataset.name)
+  run = _Run(config, workdir, for_training=not eval_only, task=task, data=data, check_only=True,
+             optimizer=optimizer)
+  ckpt = checkpoint_lib.Checkpointer(workdir, read_only=True, data_name=run.dataset.name,
+                                     optimizer=run.optimizer_record)
   if not eval_only:
     workdir_lib.Lock(workdir).probe()
     if config.checkpoint_every_steps < 0:
@@ -228,15 +239,15 @@ def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool =
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None,
-                        data=None) -> dict:
+                        data=None, optimizer: Optional[optim.Optimizer] = None) -> dict:
   """Evaluates the newest readable checkpoint in ``workdir`` and prints the table (``train.py --eval_only``).
 
   Reads only: creates no directory, moves no checkpoint; its results go to
   ``eval_results.step<N>.json`` and ``fused_model.step<N>.*`` beside the run's own.
   """
-  run = _Run(config, workdir, for_training=False, task=task, data=data)
+  run = _Run(config, workdir, for_training=False, task=task, data=data, optimizer=optimizer)
   ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, read_only=True,
-                                     data_name=run.dataset.name)
+                                     data_name=run.dataset.name, optimizer=run.optimizer_record)
   state = run.restore(ckpt)
   if state is None:
     raise _no_checkpoint(ckpt)
@@ -244,13 +255,15 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: O
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None, data=None,
-                       step_hook=None) -> dict:
+                       step_hook=None, optimizer: Optional[optim.Optimizer] = None) -> dict:
   """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
 
   ``task`` (default: classification with the zoo model ``config.model``) and ``data`` (default:
   ``create_dataset(config)``; any object with ``train_batches``, ``eval_batches``,
   ``steps_per_epoch``, ``train_size``, ``test_size``, ``example``, ``name``, see ``ipf_jax.data``)
-  are what a library user brings.
+  are what a library user brings; so is ``optimizer`` (``lr_fn -> optax.GradientTransformation`` for one
+  particle, e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``; default the config's SGD), whose name
+  and state kind each checkpoint records.
 
   Resumes from the newest usable checkpoint in ``workdir/checkpoints``. SIGTERM,
   SIGINT and ``time_limit_minutes`` stop it after the step in flight with a
@@ -260,7 +273,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Op
   """
   setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
   with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
-    run = _Run(config, workdir, task=task, data=data)
+    run = _Run(config, workdir, task=task, data=data, optimizer=optimizer)
     try:
       return _train(run, control, step_hook)
     finally:
@@ -274,7 +287,8 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
   state = None
   if config.checkpoint_every_steps >= 0:
     ckpt = checkpoint_lib.Checkpointer(run.workdir, keep=config.keep_checkpoints,
-                                       async_save=config.async_checkpointing, data_name=run.dataset.name)
+                                       async_save=config.async_checkpointing, data_name=run.dataset.name,
+                                       optimizer=run.optimizer_record)
   try:
     if ckpt is not None:
       state = run.restore(ckpt)

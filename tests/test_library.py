@@ -1,4 +1,5 @@
 """The library API: any Flax module, any per-example loss, labels of any shape, dropout, regression."""
+import functools
 import os
 import signal
 
@@ -183,3 +184,46 @@ def test_resuming_on_other_data_is_refused():
   with pytest.raises(checkpoint.CheckpointError, match="was trained on 'digits', this run reads 'my data'"):
     compatibility.check_compatible(sig, {}, sig, config, "ckpt", saved_data="digits", data="my data")
   compatibility.check_compatible(sig, {}, sig, config, "ckpt", saved_data="digits", data="digits")
+
+
+def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
+  """A workdir trained with the built-in SGD, resumed with AdamW from library code: refused, naming both
+  optimizers (not "another version of ipf_jax"); one of the same state kind resumes, with a warning."""
+  import optax
+  from ipf_jax import checkpoint
+  from ipf_jax import optim
+  from ipf_jax import trainer
+  d = helpers.digits_data()
+  data = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
+  ipf_jax.train_and_evaluate(library_config(num_train_steps=3), str(tmp_path), data=data)
+  with pytest.raises(checkpoint.CheckpointError) as refused:
+    ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path), data=data,
+                               optimizer=lambda lr: optax.adamw(lr, weight_decay=0.05))
+  message = str(refused.value)
+  assert "written by the optimizer sgd(momentum=0.9, nesterov=True" in message, message
+  assert "this run's is a custom optimizer (state: ScaleByAdamState" in message, message
+  assert "another version" not in message and "Nothing was changed" in message
+  with pytest.raises(checkpoint.CheckpointError, match=r"the optimizer sgd.*this run's is adamw \(state"):
+    trainer.check_run(library_config(num_train_steps=6), str(tmp_path), data=data,
+                      optimizer=functools.partial(optax.adamw, weight_decay=0.05))
+
+  def my_sgd(lr):  # the built-in optimizer under another name: the state fits
+    return optim.create_optimizer(library_config(), lr)
+
+  capsys.readouterr()
+  results = ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path), data=data, optimizer=my_sgd)
+  out = capsys.readouterr().out
+  assert "resumed from" in out and "this run's optimizer differs from the checkpoint's: sgd(momentum=0.9" in out, out
+  assert "there, my_sgd (MaskedState, TraceState, ScaleByScheduleState) here" in out, out
+  assert 0 <= results["ensemble"]["accuracy"] <= 1
+
+
+def test_an_old_checkpoint_whose_optimizer_state_differs_says_so():
+  from ipf_jax import checkpoint
+  from ipf_jax import compatibility
+  saved = {"params/w": ((2,), "float32"), "opt_state/0/trace/w": ((2,), "float32")}
+  now = {"params/w": ((2,), "float32"), "opt_state/0/mu/w": ((2,), "float32"), "opt_state/0/nu/w": ((2,), "float32")}
+  here = {"name": "adamw", "state": "ScaleByAdamState, ScaleByScheduleState"}
+  with pytest.raises(checkpoint.CheckpointError, match=r"written by another optimizer than this run's, adamw "
+                                                       r"\(state: ScaleByAdamState.*predates the record"):
+    compatibility.check_compatible(saved, {}, now, ipf_jax.default_config(), "ckpt", optimizer=here)
