@@ -73,3 +73,8 @@ def test_weigh_common_benchmark_tiny():
   assert s["devices"] == 2 and set(s["flops_over_own"]) == {"own", "common, 2 per particle"}
   assert s["flops_over_own"]["common, 2 per particle"] > 1, "the common examples' forward pass costs FLOPs"
   assert all(v > 0 for v in s["time_over_own"].values()) and all(v > 0 for v in s["peak_over_own"].values())
+
+
+def test_cpu_collectives_tiny():
+  s = run_module("benchmarks.cpu_collectives", "--programs", "2", "--devices", "2", "--tries", "1")
+  assert s["all_completed"] and s["tries"][0]["completed"] and s["programs"] == 2, s
