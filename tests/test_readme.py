@@ -112,6 +112,23 @@ def test_library_commands_run_verbatim_in_a_fresh_environment(tmp_path):
       assert "ensemble accuracy" in r.stdout, r.stdout
 
 
+def test_library_programs_run_verbatim(tmp_path):
+  """README's two library programs (Linen, then NNX with AdamW), pasted one after the other into a fresh
+  Python process (the package importable, as after the install line; nothing forced)."""
+  section = open(README).read()
+  section = section[section.index("## Use it as a library"):]
+  programs = re.findall(r"```python\n(.*?)```", section[:section.index("\n## ")], re.S)
+  assert len(programs) == 2 and "nnx.Module" in programs[1], programs
+  check = "\nassert probs.shape == (397, 10) and isinstance(module, nnx.Module), probs.shape\nprint('ok', results['ensemble']['accuracy'])\n"
+  env = dict(os.environ, PYTHONPATH=helpers.ROOT, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-c", programs[0] + programs[1] + check], cwd=tmp_path, env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  assert r.stdout.count("on 4 cpu device(s)") == 2, r.stdout
+  accuracy = float(r.stdout.split("\nok ")[1].split()[0])
+  assert accuracy > 0.8, r.stdout[-2000:]
+
+
 def test_readme_claims_the_example_length():
   text = open(README).read()
   claimed = int(re.search(r"`examples/custom_model.py`, (\d+) lines", text).group(1))
