@@ -4,7 +4,7 @@
 
 Each try is a child process that dispatches ``--programs`` jitted ``shard_map`` psums without waiting
 (JAX's async dispatch), then waits for the last; a try that has not ended after ``--timeout`` seconds,
-or that aborts (XLA's rendezvous gives up after about 40 s), is a deadlock. The trainer waits for each
+or that aborts (XLA's rendezvous gave up after about 60 s here), is a deadlock. The trainer waits for each
 step on the CPU (``mesh.one_program_at_a_time``) because jaxlib 0.10.2 deadlocks here.
 """
 from __future__ import annotations
@@ -35,9 +35,11 @@ def one_try(programs: int, devices: int, timeout: float) -> dict:
     r = subprocess.run([sys.executable, "-c", CHILD.format(programs=programs, devices=devices)], env=env,
                        capture_output=True, text=True, timeout=timeout)
     completed, code = r.returncode == 0, r.returncode
+    said = next((line for line in r.stderr.splitlines() if "rendezvous" in line), "")
   except subprocess.TimeoutExpired:
-    completed, code = False, None
-  return {"completed": completed, "exit_code": code, "seconds": round(time.monotonic() - start, 2)}
+    completed, code, said = False, None, "no answer within the timeout"
+  return {"completed": completed, "exit_code": code, "seconds": round(time.monotonic() - start, 2),
+          "stderr": said[-300:]}
 
 
 def main(argv=None):

@@ -115,13 +115,17 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
   if len(differing) > 1:
     what += f" ({len(differing) - 1} more difference{'s' if len(differing) > 2 else ''})"
   fields = decisive_fields(saved_config, config, shapes_for) if shapes_for else []
+  optimizer_note = _optimizer_cause(saved_optimizer, optimizer, saved_flat,
+                                    all(p.split("/")[0] in OPTIMIZER_LEAVES for p in differing))
   if fields:
     was = ", ".join(f"config.{f}={saved_flat[f]!r}" for f in fields)
     now = ", ".join(f"config.{f}={current_flat[f]!r}" for f in fields)
     flags = " ".join(f"--config.{f}={_flag_value(saved_flat[f])}" for f in fields)
-    cause = f"It was written with {was}; this run has {now}. Resume with {flags}, or"
-  elif all(p.split("/")[0] in OPTIMIZER_LEAVES for p in differing):
-    cause = _optimizer_cause(saved_optimizer, optimizer)
+    also = f" {optimizer_note}" if optimizer_note else ""
+    cause = f"It was written with {was}; this run has {now}.{also} Resume with {flags}, or"
+  elif optimizer_note:
+    cause = (f"{optimizer_note} Resume with the optimizer that wrote it (train_and_evaluate or "
+             "evaluate_checkpoint(optimizer=...)), or")
   else:
     cause = ("The config fields that shape the state agree, so it was probably written by another version of "
              "ipf_jax; resume with that version, or")
@@ -132,15 +136,31 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
 OPTIMIZER_LEAVES = ("opt_state", "shared_opt_state")  # the state's fields that only the optimizer shapes
 
 
-def _optimizer_cause(saved: Optional[dict], current: Optional[dict]) -> str:
-  """The model's state fits and the optimizer's does not: the checkpoint was written by another optimizer."""
-  here = f"{current['name']} (state: {current['state']})" if current else "this run's optimizer"
-  if saved:
-    there = f"{saved['name']} (state: {saved['state']})"
-    return (f"Only the optimizer state differs: it was written by the optimizer {there}, and this run's is {here}. "
-            "Resume with the optimizer that wrote it (train_and_evaluate(optimizer=...)), or")
-  return (f"Only the optimizer state differs: it was written by another optimizer than this run's, {here} (the "
-          "checkpoint predates the record of its optimizer). Resume with the optimizer that wrote it, or")
+def _optimizer_words(record: dict) -> str:
+  return f"{record.get('name', '?')} (state: {record.get('state', '?')})"
+
+
+def _optimizer_cause(saved: Optional[dict], current: Optional[dict], saved_config: dict,
+                     only_optimizer: bool) -> Optional[str]:
+  """A sentence on the two optimizers when they explain the difference, else ``None``.
+
+  ``saved`` is ``None`` for a checkpoint older than the record: the config's SGD wrote it (no other
+  optimizer could be given then), which explains the difference only when this run's optimizer is another."""
+  if not current or (not saved and (current.get("builtin") or not only_optimizer)):
+    return None
+  here = _optimizer_words(current)
+  if not saved:
+    return (f"Only the optimizer state differs: the checkpoint predates the record of its optimizer, so the "
+            f"config's SGD (momentum {saved_config.get('momentum', '?')}) wrote it, and this run's optimizer is "
+            f"{here}.")
+  if saved == current:
+    return None if not only_optimizer else (
+        f"Only the optimizer state differs, though both optimizers record as {here}: they are two optimizers "
+        "of one kind (e.g. another chain of transformations).")
+  if not only_optimizer:
+    return f"It was also written by another optimizer, {_optimizer_words(saved)}; this run's is {here}."
+  return (f"Only the optimizer state differs: it was written by the optimizer {_optimizer_words(saved)}, and "
+          f"this run's is {here}.")
 
 
 def _flag_value(value) -> str:

@@ -56,17 +56,20 @@ def setup_devices(config: ml_collections.ConfigDict) -> None:
   if not n:
     return
   try:
-    jax.config.update("jax_num_cpu_devices", n)  # the same value after start-up is accepted
+    jax.config.update("jax_num_cpu_devices", n)
     return
-  except RuntimeError:  # JAX's backend is running already, with another CPU device count
+  except RuntimeError:  # JAX's backend is running already (set otherwise: XLA_FLAGS, JAX's default, ...)
     pass
   if jax.default_backend() != "cpu":
     return  # the CPU split concerns CPU-only hosts; accelerators are used as they are
   have = len(jax.local_devices(backend="cpu"))
+  if have == n:
+    return
   raise ConfigError("num_cpu_devices", f"asks for {n} CPU devices, but JAX's backend was started before the run "
                     f"with {have}, and the count can only be set before JAX's first operation. Set config."
                     f"num_cpu_devices={have} (or 0: use what is there), or start the run before any other JAX "
-                    "call (jax.devices(), an array op), or set jax.config.update(\"jax_num_cpu_devices\", "
+                    "call (jax.devices(), an array op, building an nnx.Module instance: pass a constructor "
+                    "instead), or set jax.config.update(\"jax_num_cpu_devices\", "
                     f"{n}) right after `import jax`.")
 
 

@@ -13,7 +13,7 @@ eval mode its ``eval()``; the module is called as ``module(inputs)``.
 
 Two ways to give one:
   - an instance, ``MyModel(..., rngs=nnx.Rngs(0))``: every particle starts from its values (config.init
-    must be ``shared``, the ipf default, or a fine-tune's start);
+    must be ``shared``, the ipf default);
   - a constructor, ``lambda rngs: MyModel(..., rngs=rngs)``: each particle is built from its own key,
     as a deep ensemble (``init=independent``) needs.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,7 +29,6 @@ from flax import nnx
 
 def is_nnx(model) -> bool:
   """An NNX module instance, or a constructor ``rngs -> nnx.Module`` (any callable that is not Linen's)."""
-  import flax.linen as nn
   return isinstance(model, nnx.Module) or (callable(model) and not isinstance(model, nn.Module))
 
 
@@ -125,22 +125,22 @@ class NNXModel:
     return state
 
   def _rng_state(self, rngs: Optional[dict]):
-    """Fresh RNG variables: stream ``s`` keyed by ``rngs[s]`` (else ``fold_in`` of the first key by the
-    stream's index; without keys, a fixed key: eval mode draws nothing), counts at zero."""
+    """Fresh RNG variables. Each layer's stream variable gets its own key, ``fold_in(k, n)`` of its stream's
+    key ``k`` = ``rngs[stream]`` (a stream not named: ``fold_in`` of the first key by the stream's index;
+    without keys, a fixed key: eval mode draws nothing) and ``n`` its position; counts start at zero."""
     base = next(iter(rngs.values())) if rngs else jax.random.PRNGKey(0)
     streams = self.streams
-    leaves = []
-    for path, var in self._rng_leaves:
+    flat = []
+    for n, (path, var) in enumerate(self._rng_leaves):
       if jnp.issubdtype(var.dtype, jax.dtypes.prng_key):
         stream = var.tag
         key = rngs[stream] if rngs and stream in rngs else jax.random.fold_in(base, streams.index(stream))
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
           key = jax.random.wrap_key_data(key)
-        leaves.append(jnp.broadcast_to(key, var.shape))
+        flat.append((path, jnp.broadcast_to(jax.random.fold_in(key, n), var.shape)))  # two layers, two masks
       else:
-        leaves.append(jnp.zeros(var.shape, var.dtype))
+        flat.append((path, jnp.zeros(var.shape, var.dtype)))
     state = jax.tree.map(lambda x: x, self._abstract["rngs"])
-    flat = [(path, leaf) for (path, _), leaf in zip(self._rng_leaves, leaves)]
     nnx.replace_by_pure_dict(state, _nest(flat))
     return state
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from typing import Callable, Optional
 
@@ -78,7 +79,7 @@ def _callable_name(fn) -> str:
 def state_kind(opt_state) -> str:
   """The optimizer state's kind: its optax state types in order (``EmptyState`` left out), e.g.
   ``TraceState, ScaleByScheduleState`` for SGD with momentum, ``ScaleByAdamState, ScaleByScheduleState``
-  for AdamW. Arrays inside (the parameter trees) are not looked into."""
+  for AdamW; dicts (``multi_transform``'s inner states) in key order."""
   names = []
 
   def visit(node):
@@ -90,15 +91,21 @@ def state_kind(opt_state) -> str:
     elif isinstance(node, (tuple, list)):
       for child in node:
         visit(child)
+    elif isinstance(node, dict):
+      for key in sorted(node, key=str):
+        visit(node[key])
 
   visit(opt_state)
   return ", ".join(names) or "no state"
 
 
 def optimizer_record(config: ml_collections.ConfigDict, optimizer: Optional[Optimizer], opt_state) -> dict:
-  """What a checkpoint records of the optimizer that wrote it: ``{"name": ..., "state": state_kind}``."""
+  """What a checkpoint records of the optimizer that wrote it: ``name``, the ``state`` kind (``state_kind``),
+  ``tree`` (a digest of the state's tree structure: two records of one kind can still differ) and
+  ``builtin`` (the config's SGD)."""
   name = builtin_name(config) if optimizer is None else _callable_name(optimizer)
-  return {"name": name, "state": state_kind(opt_state)}
+  tree = hashlib.sha1(str(jax.tree.structure(opt_state)).encode()).hexdigest()[:12]
+  return {"name": name, "state": state_kind(opt_state), "tree": tree, "builtin": optimizer is None}
 
 
 def make_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule,

@@ -39,9 +39,6 @@ class NonFiniteError(FloatingPointError):
   """Every particle's loss or gradient became non-finite."""
 
 
-setup_devices = configuration.setup_devices  # the one home of the device split (re-exported)
-
-
 class _LogFile(logging.FileHandler):
   """``train.log``; a write that fails (full disk) is reported once, then the file is dropped, not the run."""
 
@@ -118,7 +115,7 @@ class _Run(run_eval.RunEvaluation):
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True,
                task: Optional[Task] = None, data=None, check_only: bool = False,
                optimizer: Optional[optim.Optimizer] = None):
-    setup_devices(config)
+    configuration.setup_devices(config)
     configuration.validate(config, jax.device_count())
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
@@ -173,11 +170,11 @@ class _Run(run_eval.RunEvaluation):
     state, meta = restored
     log.info("%s %s at step %d (written on %d device(s))", "resumed from" if self.for_training else "evaluating",
              ckpt.directory / str(meta["step"]), int(state.step), meta["num_devices"])
-    saved_optimizer = meta.get("optimizer")
-    if saved_optimizer and saved_optimizer != self.optimizer_record:  # the state fits, the optimizer is new
-      log.warning("this run's optimizer differs from the checkpoint's: %s (%s) there, %s (%s) here; %s with this "
-                  "run's", saved_optimizer["name"], saved_optimizer["state"], self.optimizer_record["name"],
-                  self.optimizer_record["state"], "training continues" if self.for_training else "it is evaluated")
+    saved, now = meta.get("optimizer"), self.optimizer_record  # the state fits; another optimizer is said
+    if (saved.get("name") != now["name"]) if saved else not now["builtin"]:
+      there = f"{saved.get('name')} ({saved.get('state')})" if saved else "the config's SGD (an older checkpoint)"
+      log.warning("this run's optimizer differs from the checkpoint's: %s there, %s (%s) here; %s with this run's",
+                  there, now["name"], now["state"], "training continues" if self.for_training else "it is evaluated")
     changed = compatibility.changed_fields(meta["config"], self.config)
     if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
       log.warning("this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",
@@ -271,7 +268,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Op
   ``step_hook(step, state, batch) -> (state, batch)``, if given, runs before
   every step (fault-injection tests).
   """
-  setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
+  configuration.setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
   with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
     run = _Run(config, workdir, task=task, data=data, optimizer=optimizer)
     try:

@@ -36,8 +36,8 @@ def test_package_installs_and_runs_outside_the_checkout(tmp_path):
   src = helpers.copy_checkout(tmp_path / "src")
   bin_dir = helpers.fresh_venv(tmp_path / "venv")
   venv, py, train = tmp_path / "venv", os.path.join(bin_dir, "python"), os.path.join(bin_dir, "ipf-train")
-  r = subprocess.run([py, "-m", "pip", "install", "--no-deps", "-q", str(src)], capture_output=True, text=True,
-                     env=helpers.venv_env(bin_dir))
+  r = subprocess.run([py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", str(src)],
+                     capture_output=True, text=True, env=helpers.venv_env(bin_dir))
   assert r.returncode == 0, r.stdout + r.stderr
   away = tmp_path / "elsewhere"
   away.mkdir()

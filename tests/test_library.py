@@ -215,7 +215,7 @@ def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "resumed from" in out and "this run's optimizer differs from the checkpoint's: sgd(momentum=0.9" in out, out
   assert "there, my_sgd (MaskedState, TraceState, ScaleByScheduleState) here" in out, out
-  assert 0 <= results["ensemble"]["accuracy"] <= 1
+  assert "final evaluation at step 6" in out and results["ensemble"]["accuracy"] > 0.2, out[-2000:]
 
 
 def test_an_old_checkpoint_whose_optimizer_state_differs_says_so():
@@ -223,7 +223,11 @@ def test_an_old_checkpoint_whose_optimizer_state_differs_says_so():
   from ipf_jax import compatibility
   saved = {"params/w": ((2,), "float32"), "opt_state/0/trace/w": ((2,), "float32")}
   now = {"params/w": ((2,), "float32"), "opt_state/0/mu/w": ((2,), "float32"), "opt_state/0/nu/w": ((2,), "float32")}
-  here = {"name": "adamw", "state": "ScaleByAdamState, ScaleByScheduleState"}
-  with pytest.raises(checkpoint.CheckpointError, match=r"written by another optimizer than this run's, adamw "
-                                                       r"\(state: ScaleByAdamState.*predates the record"):
-    compatibility.check_compatible(saved, {}, now, ipf_jax.default_config(), "ckpt", optimizer=here)
+  here = {"name": "adamw", "state": "ScaleByAdamState, ScaleByScheduleState", "builtin": False}
+  with pytest.raises(checkpoint.CheckpointError, match=r"predates the record of its optimizer, so the config's SGD "
+                                                       r"\(momentum 0.9\) wrote it, and this run's optimizer is "
+                                                       r"adamw \(state: ScaleByAdamState"):
+    compatibility.check_compatible(saved, {"momentum": 0.9}, now, ipf_jax.default_config(), "ckpt", optimizer=here)
+  builtin = dict(here, name="sgd(...)", builtin=True)  # the same optimizer as then: the cause is elsewhere
+  with pytest.raises(checkpoint.CheckpointError, match="probably written by another version of ipf_jax"):
+    compatibility.check_compatible(saved, {}, now, ipf_jax.default_config(), "ckpt", optimizer=builtin)

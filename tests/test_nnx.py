@@ -36,6 +36,22 @@ class NNXNet(nnx.Module):
     return self.out(nnx.relu(self.bn(self.hidden(x.reshape(x.shape[0], -1)))))
 
 
+class TwoDropouts(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.first, self.second = nnx.Dropout(0.5, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.stack([self.first(x), self.second(x)])
+
+
+def test_each_dropout_layer_draws_its_own_mask():
+  task = ipf_jax.classification(TwoDropouts(nnx.Rngs(0)))
+  x = jnp.ones((4, 64))
+  out = task.apply({"params": {}}, {"image": x}, train=True, key=jax.random.PRNGKey(1))[0]
+  assert float(jnp.abs(out[0] - out[1]).max()) > 0, "two layers of one stream share no mask"
+  np.testing.assert_array_equal(task.apply({"params": {}}, {"image": x}, train=False), jnp.stack([x, x]))
+
+
 class NNXDropoutMLP(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.hidden = nnx.Linear(64, 64, rngs=rngs)

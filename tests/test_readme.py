@@ -119,8 +119,10 @@ def test_library_programs_run_verbatim(tmp_path):
   section = section[section.index("## Use it as a library"):]
   programs = re.findall(r"```python\n(.*?)```", section[:section.index("\n## ")], re.S)
   assert len(programs) == 2 and "nnx.Module" in programs[1], programs
-  check = "\nassert probs.shape == (397, 10) and isinstance(module, nnx.Module), probs.shape\nprint('ok', results['ensemble']['accuracy'])\n"
+  check = ("\nassert probs.shape == (397, 10) and isinstance(module, nnx.Module), probs.shape\n"
+           "print('ok', results['ensemble']['accuracy'])\n")
   env = dict(os.environ, PYTHONPATH=helpers.ROOT, JAX_PLATFORMS="cpu")
+  (tmp_path / "runs").mkdir()  # as in the checkout
   r = subprocess.run([sys.executable, "-c", programs[0] + programs[1] + check], cwd=tmp_path, env=env,
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
