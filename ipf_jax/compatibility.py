@@ -46,7 +46,7 @@ def _flat_config(config) -> dict:
 # resume line says on how many devices the checkpoint was written). Any other difference is listed.
 HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every_steps", "checkpoint_every_minutes",
                         "time_limit_minutes", "keep_checkpoints", "async_checkpointing", "data_dir",
-                        "eval_batch_size", "eval_shifts", "ood_dataset", "fused_bn_batches", "particle_loop",
+                        "eval_batch_size", "eval_shifts", "shift_examples", "ood_dataset", "fused_bn_batches", "particle_loop",
                         "num_devices", "particle_axis_size", "num_cpu_devices"})
 
 

@@ -252,6 +252,8 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
          f"(global_batch_size / (num_particles x data devices) = {g} / ({p} x {dd})); use a divisor of {shard} "
          f"such as {max(d for d in range(1, k + 1) if shard % d == 0)}, or a global_batch_size that is a multiple "
          f"of {p * dd * k}")
+  _check(isinstance(config.shift_examples, int) and config.shift_examples >= 0, "shift_examples",
+         f"{config.shift_examples!r} must be a whole number >= 0 (0 = the whole test set)")
   _check(config.eval_batch_size > 0, "eval_batch_size",
          f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)")
   if config.weigh_on == "common" and config.mode == "ipf":

@@ -38,10 +38,15 @@ def get_config():
                                        # test NLL, ECE and Brier before and after (0 = off)
   config.eval_shifts = ""              # shifted test sets for the final evaluation: "" | all | a comma list.
                                        # digits: gaussian_noise, blur, rotation, translation, contrast (severities
-                                       # 1-5); cifar10: CIFAR-10-C corruptions, cifar10_1; imagenet2012: ImageNet-C
-                                       # corruptions, imagenet_v2, imagenet_a, imagenet_r (prepared TFDS data)
-  config.ood_dataset = ""              # out-of-distribution set for OOD AUROC: "" | photos (digits: 8x8 patches of
-                                       # scikit-learn's sample photos) | a prepared TFDS image dataset (svhn_cropped)
+                                       # 1-5; the same on fashion_mnist); cifar10: CIFAR-10-C corruptions, cifar10_1;
+                                       # imagenet2012: ImageNet-C corruptions, imagenet_v2, imagenet_a, imagenet_r
+                                       # (prepared TFDS data)
+  config.shift_examples = 0            # > 0: each shifted set (and the in-memory OOD sets) is the first N images of
+                                       # the test set, not all of it (an evaluation of 25 shifted sets of 10,000
+                                       # costs 25 test-set evaluations; 0 = all)
+  config.ood_dataset = ""              # out-of-distribution sets for OOD AUROC, comma-separated: "" | photos (digits:
+                                       # 8x8 patches of scikit-learn's sample photos) | fashion_mnist: digits (sklearn's,
+                                       # upscaled to 28x28), photos (28x28 patches) | a prepared TFDS image dataset
 
   # --- model -----------------------------------------------------------------
   config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny

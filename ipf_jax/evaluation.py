@@ -44,6 +44,7 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
     return task.predictive(outputs, batch)
 
   def local_eval(state: ParticleState, batch, fused_bn):
+    mine = batch  # this device's part: the fused model (one model, replicated) is evaluated on it alone
     batch = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), batch)  # my data group's examples, every device
     mask = batch["mask"]
     shared = state.shared_params
@@ -56,13 +57,13 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
     params, stats = fusion.fused(state)
     sums = {"particles": jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
             "ensemble": task.score(ensemble, batch, mask),
-            "ensemble_uniform": task.score(uniform, batch, mask),
-            "fused": task.score(predict(params, shared, stats, batch), batch, mask)}
+            "ensemble_uniform": task.score(uniform, batch, mask)}
+    fused_sums = {"fused": task.score(predict(params, shared, stats, mine), mine, mine["mask"])}
     if fused_bn is not None:
-      sums["fused_bn"] = task.score(predict(params, shared, fused_bn, batch), batch, mask)
+      fused_sums["fused_bn"] = task.score(predict(params, shared, fused_bn, mine), mine, mine["mask"])
     if task.diversity is not None:
       sums["diversity"] = task.diversity(pred, alive, mask, lambda x: lax.psum(x, PARTICLE))
-    return {**lax.psum(sums, DATA), "weights": pf.gather_all(w, PARTICLE)}
+    return {**lax.psum(sums, DATA), **lax.psum(fused_sums, (PARTICLE, DATA)), "weights": pf.gather_all(w, PARTICLE)}
 
   sharded = jax.jit(jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), layout.EVAL_BATCH_SPEC, P()),
                                   out_specs=P()))
@@ -235,10 +236,13 @@ def format_extras(results: dict, columns: tuple) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
               for r in rows]
-  for key, a in results.get("ood", {}).items():
-    if key != "particles":
-      lines.append(f"OOD AUROC ({results.get('ood_dataset', 'OOD set')}), {dict((k, n) for n, k in ROWS)[key]}: "
-                   f"max prob {a['auroc_max_prob']:.4f}, entropy {a['auroc_entropy']:.4f}")
+  ood = results.get("ood_sets") or ({results.get("ood_dataset", "OOD set"): results["ood"]} if "ood" in results
+                                    else {})
+  for name, by_row in ood.items():
+    for key, a in by_row.items():
+      if key != "particles":
+        lines.append(f"OOD AUROC ({name}), {dict((k, n) for n, k in ROWS)[key]}: "
+                     f"max prob {a['auroc_max_prob']:.4f}, entropy {a['auroc_entropy']:.4f}")
   return "\n".join(lines)
 
 

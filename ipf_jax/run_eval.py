@@ -46,7 +46,7 @@ class RunEvaluation:
                                       "the shifted and OOD sets are those of config.dataset's built-in data; with "
                                       "your own data, evaluate your own sets (evaluation.evaluate); set it to ''")
     self.shift_sets = shifts.eval_sets(config, self.dataset)
-    self.ood = shifts.ood_set(config, self.dataset)
+    self.ood_sets = shifts.ood_sets(config, self.dataset)
 
   def fused_bn(self, state, interrupted: Callable[[], bool] = lambda: False):
     """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
@@ -77,7 +77,8 @@ class RunEvaluation:
   def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
     """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
     the train split, each shifted set (``evaluation.brief``; with the held-out part, also at its fitted
-    temperature) and OOD AUROC."""
+    temperature) and OOD AUROC against each OOD set (``ood_sets``; the first also as ``ood``, with its name
+    as ``ood_dataset``)."""
     more, calibration = {}, None
     if self.calibration is not None:
       calibration = self.evaluate(state, fused_bn, interrupted, self.calibration)
@@ -86,9 +87,10 @@ class RunEvaluation:
     if self.shift_sets:  # with a calibration set, each also at the temperature fitted on it (before the curves go)
       more["shifts"] = {name: evaluation.brief(self.evaluate(state, fused_bn, interrupted, source), calibration)
                         for name, source in self.shift_sets.items()}
-    if self.ood is not None:
-      more["ood"] = evaluation.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, self.ood))
-      more["ood_dataset"] = self.ood.name
+    if self.ood_sets:
+      more["ood_sets"] = {name: evaluation.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, source))
+                          for name, source in self.ood_sets.items()}
+      more["ood_dataset"], more["ood"] = next(iter(more["ood_sets"].items()))
     return more
 
   def finish(self, state, writer=None, suffix: str = "",
@@ -136,6 +138,7 @@ class RunEvaluation:
 def _coverage(results: dict) -> set:
   """What an evaluation holds: its rows and extras, each shifted set, and the OOD set's name."""
   out = {k for k in results if k != "step"} | {f"shifts/{k}" for k in results.get("shifts", {})}
+  out |= {f"ood_sets/{k}" for k in results.get("ood_sets", {})}
   return out | ({f"ood_dataset={results['ood_dataset']}"} if "ood_dataset" in results else set())
 
 

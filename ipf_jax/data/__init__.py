@@ -1,7 +1,8 @@
 """Datasets by name: ``create_dataset(config)``.
 
 ``digits`` is embedded (scikit-learn); the others are read with TFDS from
-``config.data_dir`` and must have been prepared there.
+``config.data_dir`` and must have been prepared there (``fashion_mnist`` from
+Debian's files: ``python -m ipf_jax.data.prepare fashion_mnist``).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import ml_collections
 
 from ipf_jax.configuration import ConfigError
 
-TFDS_DATASETS = ("imagenet2012", "cifar10", "cifar100")
+TFDS_DATASETS = ("imagenet2012", "cifar10", "cifar100", "fashion_mnist")
 DATASETS = ("digits",) + TFDS_DATASETS
 
 

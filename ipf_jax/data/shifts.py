@@ -4,8 +4,13 @@ Digits: five corruptions of the test images, each at severities 1-5, computed
 here (deterministic: a fixed seed per corruption and severity), and, as
 out-of-distribution images, 8x8 grey patches of the two photographs that ship
 with scikit-learn (``load_sample_images``: a Chinese temple and a flower).
-TFDS: the corrupted and re-collected test sets of CIFAR-10 and ImageNet and
-any TFDS image dataset as OOD, read like the dataset's own eval split.
+Fashion-MNIST: the same five corruptions of its 10,000 test images (their
+lengths, blur sigma and shift, scaled by the side: x 28/8), and as OOD
+scikit-learn's digits upscaled to 28 x 28 (``digits``: the classic
+Fashion-MNIST-vs-digits pairing, with sklearn's 1,797 in place of MNIST) or
+28 x 28 photo patches (``photos``). TFDS: the corrupted and re-collected test
+sets of CIFAR-10 and ImageNet and any TFDS image dataset as OOD, read like the
+dataset's own eval split. ``ood_dataset`` may name several sets, comma-separated.
 """
 from __future__ import annotations
 
@@ -26,6 +31,11 @@ DIGITS_CORRUPTIONS = {
     "contrast": (0.9, 0.8, 0.7, 0.6, 0.5),  # factor on the deviation from each image's mean
 }
 DIGITS_OOD = ("photos",)
+# TFDS datasets whose shifted sets are the corruptions above, computed here on the eval split (images in
+# [0, 255] scaled to [0, 1] and back), and the in-memory OOD sets each has.
+ARRAY_SHIFTS = ("fashion_mnist",)
+ARRAY_OOD = {"fashion_mnist": ("digits", "photos")}
+PHOTOS = 1797  # photo patches beside a TFDS test set: as many as there are digits
 
 # TFDS: the corruptions of CIFAR-10-C and ImageNet-C (TFDS configs ``<corruption>_<severity>``) and the
 # other shifted test sets, by the dataset they shift.
@@ -40,11 +50,13 @@ TFDS_SHIFTS = {
 }
 
 
-def corrupt_digits(images: np.ndarray, corruption: str, severity: int) -> np.ndarray:
-  """``images`` ``[N, 8, 8, 1]`` in ``[0, 1]`` under ``corruption`` at ``severity`` (1-5), clipped to
-  ``[0, 1]``; the same output on every call."""
+def corrupt(images: np.ndarray, corruption: str, severity: int) -> np.ndarray:
+  """``images`` ``[N, S, S, C]`` in ``[0, 1]`` under ``corruption`` at ``severity`` (1-5), clipped to
+  ``[0, 1]``; the same output on every call. Lengths (blur sigma, shift) are the 8 x 8 digits' times S/8."""
   from scipy import ndimage
   level = DIGITS_CORRUPTIONS[corruption][severity - 1]
+  if corruption in ("blur", "translation"):
+    level = level * images.shape[1] / 8
   rng = np.random.default_rng([SEED, sorted(DIGITS_CORRUPTIONS).index(corruption), severity])
   x = images.astype(np.float64)
   if corruption == "gaussian_noise":
@@ -65,6 +77,19 @@ def corrupt_digits(images: np.ndarray, corruption: str, severity: int) -> np.nda
   else:
     raise KeyError(corruption)
   return np.clip(x, 0.0, 1.0).astype(np.float32)
+
+
+corrupt_digits = corrupt  # the 8 x 8 digits' name
+
+
+def upscaled_digits(size: int = 28) -> np.ndarray:
+  """All 1,797 of scikit-learn's digits, ``[N, size, size, 1]`` in ``[0, 1]`` (bilinear upscaling from
+  8 x 8, ink bright on black like Fashion-MNIST's objects)."""
+  from scipy import ndimage
+  from sklearn.datasets import load_digits
+  x = load_digits().images / 16.0
+  x = ndimage.zoom(x, (1, size / 8, size / 8), order=1, grid_mode=True, mode="grid-constant")
+  return np.clip(x, 0.0, 1.0)[..., None].astype(np.float32)
 
 
 def photo_patches(num: int, size: int = 8) -> np.ndarray:
@@ -108,7 +133,7 @@ def names(config, dataset_name: str) -> tuple:
 
 
 def known_shifts(dataset_name: str) -> tuple:
-  if dataset_name == "digits":
+  if dataset_name in ("digits",) + ARRAY_SHIFTS:
     return tuple(DIGITS_CORRUPTIONS)
   if dataset_name in TFDS_SHIFTS:
     return CORRUPTIONS_C + tuple(TFDS_SHIFTS[dataset_name]["sets"])
@@ -122,36 +147,71 @@ def eval_sets(config, dataset) -> dict:
   shifts = names(config, config.dataset)
   if not shifts:
     return {}
+  n = config.shift_examples or None
   if config.dataset == "digits":
-    test = dataset.test
-    return {f"{c}_{s}": _arrays(f"digits/{c}_{s}", {**test, "image": corrupt_digits(test["image"], c, s)})
+    test = {k: v[:n] for k, v in dataset.test.items()}
+    return {f"{c}_{s}": _arrays(f"digits/{c}_{s}", {**test, "image": corrupt(test["image"], c, s)})
             for c in shifts for s in SEVERITIES}
+  if config.dataset in ARRAY_SHIFTS:
+    from ipf_jax.data import tfds_input
+    images, labels = tfds_input.test_images(dataset)
+    images, labels = images[:n], labels[:n]
+    clean = images.astype(np.float32) / 255.0
+    return {f"{c}_{s}": tfds_input.ArrayEvalSet(f"{config.dataset}/{c}_{s}", corrupt(clean, c, s) * 255.0,
+                                                labels, dataset) for c in shifts for s in SEVERITIES}
   table = TFDS_SHIFTS[config.dataset]
   out = {}
   for shift in shifts:
     if shift in table["sets"]:
       builder, split = table["sets"][shift]
-      out[shift] = _tfds(config, dataset, builder, split)
+      out[shift] = _tfds(config, dataset, builder, _first(split, n))
     else:
       builder, split = table["corrupted"]
+      split = _first(split, n)
       out.update({f"{shift}_{s}": _tfds(config, dataset, f"{builder}/{shift}_{s}", split) for s in SEVERITIES})
   return out
 
 
+def ood_names(config) -> tuple:
+  """The OOD sets ``config.ood_dataset`` names (comma-separated), in order."""
+  names_ = [s.strip() for s in config.ood_dataset.split(",") if s.strip()]
+  if len(set(names_)) != len(names_):
+    from ipf_jax.configuration import ConfigError
+    raise ConfigError("ood_dataset", f"{config.ood_dataset!r} names a set twice")
+  return tuple(names_)
+
+
+def ood_sets(config, dataset) -> dict:
+  """``{name: eval source}`` of each set ``config.ood_dataset`` names: ``photos`` for digits; for
+  Fashion-MNIST ``digits``, ``photos`` or a TFDS dataset; for the other TFDS datasets the name of any
+  prepared TFDS image dataset (``svhn_cropped`` for CIFAR), its ``test`` split."""
+  return {name: _ood_set(config, dataset, name) for name in ood_names(config)}
+
+
 def ood_set(config, dataset):
-  """The eval source ``config.ood_dataset`` names, or ``None``: ``photos`` for digits; for TFDS datasets
-  the name of any prepared TFDS image dataset (``svhn_cropped`` for CIFAR), its ``test`` split."""
-  name = config.ood_dataset
-  if not name:
-    return None
+  """The first set ``ood_sets`` gives, or ``None``."""
+  return next(iter(ood_sets(config, dataset).values()), None)
+
+
+def _ood_set(config, dataset, name: str):
   if config.dataset == "digits":
     if name != "photos":
       from ipf_jax.configuration import ConfigError
       raise ConfigError("ood_dataset", f"{name!r} is not available for digits; use 'photos' (8x8 patches of "
                                        "scikit-learn's sample photographs)")
-    images = photo_patches(dataset.test_size)
+    images = photo_patches(config.shift_examples or dataset.test_size)
     return _arrays("photos", {"image": images, "label": np.zeros(len(images), np.int32)})
+  if name in ARRAY_OOD.get(config.dataset, ()):
+    from ipf_jax.data import tfds_input
+    side = dataset.image_size
+    images = upscaled_digits(side)[:config.shift_examples or None] if name == "digits" else photo_patches(
+        config.shift_examples or PHOTOS, side)
+    return tfds_input.ArrayEvalSet(name, images * 255.0, None, dataset)
   return _tfds(config, dataset, name, "test")
+
+
+def _first(split: str, n) -> str:
+  return f"{split}[:{n}]" if n else split
 
 
 def _arrays(name: str, test: dict) -> ArrayDataset:

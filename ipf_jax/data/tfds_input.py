@@ -14,11 +14,12 @@ import jax
 import numpy as np
 
 # Per-channel statistics of the training sets, in [0, 255].
+# Fashion-MNIST (grey): of its 60,000 training images (ipf_jax.data.prepare.read_fashion_mnist).
 MEAN_RGB = {"imagenet2012": (123.675, 116.28, 103.53), "cifar10": (125.3, 123.0, 113.9),
-            "cifar100": (129.3, 124.1, 112.4)}
+            "cifar100": (129.3, 124.1, 112.4), "fashion_mnist": (72.94,)}
 STDDEV_RGB = {"imagenet2012": (58.395, 57.12, 57.375), "cifar10": (63.0, 62.1, 66.7),
-              "cifar100": (68.2, 65.4, 70.4)}
-EVAL_SPLIT = {"imagenet2012": "validation", "cifar10": "test", "cifar100": "test"}
+              "cifar100": (68.2, 65.4, 70.4), "fashion_mnist": (90.02,)}
+EVAL_SPLIT = {"imagenet2012": "validation", "cifar10": "test", "cifar100": "test", "fashion_mnist": "test"}
 CROP_PADDING = 32  # ImageNet eval: resize to image_size + 32, then center crop (224 -> 256 -> 224)
 
 
@@ -37,6 +38,9 @@ def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
     return (f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
             f"{where}/downloads/manual/, then run `tfds build {name} --data_dir={where}` "
             f"(and pass --config.data_dir={where}).")
+  if name == "fashion_mnist":
+    from ipf_jax.data.prepare import GET_IT
+    return f"To get it: {GET_IT.replace('DIR', where)}."
   return f"Prepare it on a machine with internet access: `tfds build {name} --data_dir={where}`."
 
 
@@ -112,7 +116,8 @@ class TFDSDataset:
     self.num_classes = self.builder.info.features["label"].num_classes
     self.num_train = self._num_examples("train")
     self.test_size = self._num_examples(EVAL_SPLIT[self.name])
-    self.image_shape = (self.image_size, self.image_size, 3)
+    self.channels = self.builder.info.features["image"].shape[-1] or 3  # 1 for grey (Fashion-MNIST)
+    self.image_shape = (self.image_size, self.image_size, self.channels)
 
   def _num_examples(self, split: str) -> int:
     return _num_examples(self.builder, split)
@@ -143,17 +148,17 @@ class TFDSDataset:
     ds = self.builder.as_dataset(split=split, shuffle_files=True, read_config=read, decoders=decoders)
     ds = ds.shuffle(self.shuffle_buffer, seed=seed * 100_003 + epoch, reshuffle_each_iteration=False)
     ds = ds.enumerate().skip(skip)
-    name, size, small = self.name, self.image_size, self.small_images
+    name, size, small, channels = self.name, self.image_size, self.small_images, self.channels
     image_feature = self.builder.info.features["image"]
 
     def augment(index, example):
       key = tf.stack([tf.cast(seed * 100_003 + epoch, tf.int64), index])
       crop_seed, flip_seed = key, key + tf.constant([0, 1 << 40], tf.int64)
       image = decode_image(image_feature, example["image"]) if SKIP_DECODING else example["image"]
-      if small:
-        image = tf.image.resize(image, (size, size))  # identity at the native 32x32
+      if small:  # CIFAR, Fashion-MNIST: pad 4, random crop, flip
+        image = tf.image.resize(image, (size, size))  # identity at the native 32x32 (28x28)
         image = tf.image.resize_with_crop_or_pad(image, size + 8, size + 8)
-        image = tf.image.stateless_random_crop(image, (size, size, 3), seed=crop_seed)
+        image = tf.image.stateless_random_crop(image, (size, size, channels), seed=crop_seed)
       else:
         image = _random_resized_crop(tf, image, size, crop_seed)
       image = tf.image.stateless_random_flip_left_right(image, seed=flip_seed)
@@ -185,14 +190,22 @@ class TFDSDataset:
 def _eval_batches(builder, split: str, like: TFDSDataset, batch_size: int) -> Iterator[dict]:
   """``split`` of ``builder`` preprocessed as ``like``'s eval split (crop or resize, its normalisation)."""
   import tensorflow_datasets as tfds
+  ds = builder.as_dataset(split=tfds.split_for_jax_process(split, drop_remainder=False), shuffle_files=False)
+  return _preprocessed_batches(ds, like, batch_size, cropped=builder.info.name == "imagenet2012_corrupted")
+
+
+def _preprocessed_batches(ds, like: TFDSDataset, batch_size: int, cropped: bool = False) -> Iterator[dict]:
+  """The examples of the ``tf.data`` dataset ``ds`` (``image`` in [0, 255], optional ``label``) preprocessed
+  as ``like``'s eval split, in batches of at most ``batch_size``. ``cropped``: already the centre crop."""
   tf = _tf()
-  name, size, small = like.name, like.image_size, like.small_images
-  cropped = builder.info.name == "imagenet2012_corrupted"
+  name, size, small, channels = like.name, like.image_size, like.small_images, like.channels
 
   def preprocess(example):
     image = example["image"]
-    if image.shape[-1] == 1:  # grey images (an OOD set) as RGB
+    if image.shape[-1] == 1 and channels == 3:  # grey images (an OOD set) as RGB
       image = tf.image.grayscale_to_rgb(image)
+    elif image.shape[-1] == 3 and channels == 1:  # colour images (an OOD set) as grey
+      image = tf.image.rgb_to_grayscale(image)
     if small:
       image = tf.image.resize(image, (size, size))
     elif cropped:  # ImageNet-C: already the 224 x 224 centre crop of the validation image
@@ -201,7 +214,6 @@ def _eval_batches(builder, split: str, like: TFDSDataset, batch_size: int) -> It
       image = _center_crop(tf, image, size)
     return {"image": _normalize(tf, image, name), "label": tf.cast(example.get("label", 0), tf.int32)}
 
-  ds = builder.as_dataset(split=tfds.split_for_jax_process(split, drop_remainder=False), shuffle_files=False)
   ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
   for batch in ds.batch(batch_size).prefetch(2):
     yield {k: v.numpy() for k, v in batch.items()}
@@ -219,3 +231,31 @@ class TFDSEvalSet:
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     return _eval_batches(self.builder, self.split, self.like, batch_size)
+
+
+class ArrayEvalSet:
+  """A shifted or OOD eval set held in memory (``data.shifts``: corrupted copies of a test split, images
+  from elsewhere): ``images`` ``[N, H, W, C]`` in [0, 255], preprocessed as ``like``'s eval split. Each
+  process reads its own near-equal part."""
+  eval_process_local = True
+
+  def __init__(self, name: str, images: np.ndarray, labels: Optional[np.ndarray], like: TFDSDataset):
+    self.name, self.like = name, like
+    self.images = np.asarray(images, np.float32)
+    self.labels = np.zeros(len(images), np.int32) if labels is None else np.asarray(labels, np.int32)
+    self.test_size = len(self.images)
+
+  def eval_batches(self, batch_size: int) -> Iterator[dict]:
+    tf = _tf()
+    part = np.array_split(np.arange(self.test_size), jax.process_count())[jax.process_index()]
+    ds = tf.data.Dataset.from_tensor_slices({"image": self.images[part], "label": self.labels[part]})
+    return _preprocessed_batches(ds, self.like, batch_size)
+
+
+def test_images(dataset: TFDSDataset) -> tuple:
+  """``(images uint8 [N, H, W, C], labels)`` of ``dataset``'s whole eval split, in TFDS's order."""
+  import tensorflow_datasets as tfds
+  _tf()
+  ds = dataset.builder.as_dataset(split=EVAL_SPLIT[dataset.name], shuffle_files=False, batch_size=-1)
+  arrays = tfds.as_numpy(ds)
+  return arrays["image"], arrays["label"].astype(np.int32)

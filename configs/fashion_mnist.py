@@ -1,0 +1,32 @@
+"""IPF-DDP on Fashion-MNIST (60,000 real 28x28 grey images, 10 classes), on the CPU: the quick one.
+
+  apt-get install dataset-fashion-mnist                                  # Debian's copy of the IDX files
+  python -m ipf_jax.data.prepare fashion_mnist --data_dir ~/tensorflow_datasets
+  python train.py --config configs/fashion_mnist.py --workdir runs/fashion_mnist
+
+8 particles, one per (fake) CPU device, the small CNN (32, 64, 128: 94k
+parameters), global batch 128 (16 per particle), 5 epochs (2,340 steps),
+pad-4 random crop + horizontal flip (the images are centred, upright
+garments: a flip and a small shift keep the class; a rotation would not be
+seen at test time). Measured cost on this project's 2-core machine: see
+BENCHMARKS.md "Fashion-MNIST" (the accuracy it reaches, against DDP and a deep
+ensemble, is there too). Reads TFDS's fashion_mnist from config.data_dir
+(TFDS's default folder when empty); the test set's corruptions and the OOD
+sets (sklearn's digits at 28x28, photo patches) are computed here.
+"""
+from ipf_jax import defaults
+
+
+def get_config():
+  config = defaults.get_config()
+  config.dataset = "fashion_mnist"
+  config.image_size = 28
+  config.model = "cnn"
+  config.num_particles = 8
+  config.global_batch_size = 128
+  config.eval_batch_size = 1000
+  config.num_epochs = 5.0
+  config.num_cpu_devices = 8           # the real particle mesh on a CPU-only machine
+  config.log_every_steps = 100
+  config.checkpoint_every_steps = 500
+  return config
