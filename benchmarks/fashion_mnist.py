@@ -1,0 +1,212 @@
+"""Fashion-MNIST at equal compute (issue: Real data): DDP, deep ensemble, ipf, through the TFDS pipeline.
+
+  apt-get install dataset-fashion-mnist && python -m ipf_jax.data.prepare fashion_mnist --data_dir DIR
+  python -m benchmarks.fashion_mnist --data_dir DIR [--seeds 3] [--epochs 5] [--batch 128]
+         [--methods ddp,...] [--shift_examples 500] [--eval_every_epochs 1] [--out rows.jsonl] [--picture c.png]
+
+``configs/fashion_mnist.py`` as a user runs it (TFDS's fashion_mnist prepared
+from Debian's files, pad-4 crop + flip, the CNN (32, 64, 128), 8 fake CPU
+devices), once per (method, seed), each method with the same devices, global
+batch and steps (equal compute: 8 models on 16 examples each per step, or DDP's
+one model on all 128). Each run is evaluated on the 10,000 test images, on the
+five corruptions at severities 1-5 (``eval_shifts=all``; the first
+``--shift_examples`` test images of each) and against two OOD sets (sklearn's
+digits at 28 x 28 and photo patches, ``ood_dataset=digits,photos``). Columns:
+the ensemble's (ddp: its model's) accuracy, NLL, ECE, Brier; the single model's
+(ipf: the fused model; ensemble: its mean member) accuracy and NLL; the
+ensemble's accuracy and ECE under the corruptions (mean over the 25 sets); OOD
+AUROC by the ensemble's maximum probability for each OOD set; disagreement;
+resamplings per step; the test accuracy after each epoch (``curve``, from
+``eval_every_steps``), the first epoch at which the ensemble reaches DDP's final
+accuracy (mean over DDP's seeds) as a fraction of the run, and the standard
+deviation of the per-step training loss over the last 40% of steps. Each run's
+row is appended to ``--out`` (JSON lines) as soon as it ends, so a stopped study
+keeps what it measured; ``--resume`` skips the rows already there. A
+benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import print_summary  # noqa: E402
+from configs import fashion_mnist  # noqa: E402
+from ipf_jax import report, trainer  # noqa: E402
+
+# The digits study's most diverse population (BENCHMARKS.md, "Ten seeds on another machine"): correction=0,
+# islands=4, init=independent, jitter_lr=0.3, ess_threshold=0.75. No fused model (independent inits), so its
+# single-model columns are not comparable.
+DIGITS_BEST = dict(mode="ipf", correction=0.0, islands=4, init="independent", jitter_lr=0.3, ess_threshold=0.75)
+METHODS = {
+    "ddp": dict(mode="ddp", num_particles=1),
+    "deep ensemble": dict(mode="ensemble", num_particles=8),
+    "ipf (defaults)": dict(mode="ipf"),
+    "ipf digits' most diverse": DIGITS_BEST,
+    # the algorithm's levers, one at a time
+    "ipf temperature=1": dict(mode="ipf", temperature=1.0),
+    "ipf correction=1": dict(mode="ipf", correction=1.0),
+    "ipf correction=0.9": dict(mode="ipf", correction=0.9),
+    "ipf lr for the particle's batch (reference_batch_size=2048)": dict(mode="ipf", reference_batch_size=2048),
+    "ipf elastic_pull=0.1": dict(mode="ipf", elastic_pull=0.1),
+    "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
+    "ipf ess_threshold=0.1": dict(mode="ipf", ess_threshold=0.1),
+    "ipf jitter_lr=0.3": dict(mode="ipf", jitter_lr=0.3),
+    "ipf islands=4 (ess_threshold=0.9)": dict(mode="ipf", islands=4, ess_threshold=0.9),
+}
+COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, ".3f"), ("single_nll", 1, ".3f"),
+           ("ens_ece", 1, ".3f"), ("ens_brier", 1, ".3f"), ("shift_ens_acc", 100, ".1f"), ("shift_ens_ece", 1, ".3f"),
+           ("ood_digits", 1, ".3f"), ("ood_photos", 1, ".3f"), ("disagreement", 1, ".3f"),
+           ("resample_rate", 1, ".2f"), ("loss_std", 1, ".3f")]
+
+
+def run_one(args, method: str, seed: int, workdir: str) -> dict:
+  config = fashion_mnist.get_config()
+  config.data_dir, config.seed = args.data_dir, seed
+  config.global_batch_size, config.num_epochs = args.batch, float(args.epochs)
+  config.checkpoint_every_steps, config.log_every_steps = -1, 100
+  config.eval_shifts, config.shift_examples, config.ood_dataset = "all", args.shift_examples, "digits,photos"
+  if args.cnn_features:
+    config.cnn_features = tuple(int(f) for f in args.cnn_features.split(","))
+  if args.steps:
+    config.num_epochs, config.num_train_steps = 0.0, args.steps
+  for k, v in METHODS[method].items():
+    config[k] = v
+  steps = args.steps or int(args.epochs * (60_000 // args.batch))
+  per_epoch = 60_000 // args.batch
+  if args.eval_every_epochs:
+    config.eval_every_steps = max(1, int(args.eval_every_epochs * per_epoch))
+  t = time.perf_counter()
+  r = trainer.train_and_evaluate(config, workdir)
+  seconds = time.perf_counter() - t
+  scalars = report.read_scalars(workdir)
+  single = ({m: float(np.nanmean(r["particles"][m])) for m in ("accuracy", "nll")} if config.mode == "ensemble"
+            else r["fused"])
+  shifted = r["shifts"].values()
+  resamples = scalars.get("train/resamples", (None, [0.0]))[1]
+  loss_steps, loss = scalars["train/loss"]
+  tail = np.asarray(loss)[np.asarray(loss_steps) > 0.6 * steps]
+  curve_steps, curve = scalars.get("eval/ensemble/accuracy", ([], []))
+  row = {"method": method, "seed": seed, "steps": steps, "batch": args.batch, "epochs": args.epochs,
+          "seconds": seconds,
+          "ens_acc": r["ensemble"]["accuracy"], "single_acc": single["accuracy"], "ens_nll": r["ensemble"]["nll"],
+          "single_nll": single["nll"], "ens_ece": r["ensemble"]["ece"], "ens_brier": r["ensemble"]["brier"],
+          "shift_ens_acc": float(np.mean([s["ensemble"]["accuracy"] for s in shifted])),
+          "shift_ens_ece": float(np.mean([s["ensemble"]["ece"] for s in shifted])),
+          "ood_digits": float(r["ood_sets"]["digits"]["ensemble"]["auroc_max_prob"]),
+          "ood_photos": float(r["ood_sets"]["photos"]["ensemble"]["auroc_max_prob"]),
+          "disagreement": float(r.get("diversity", {}).get("disagreement", 0.0)),
+          "resample_rate": float(resamples[-1]) / steps, "loss_std": float(np.std(tail)),
+          "curve": [[int(s), float(a)] for s, a in zip(curve_steps, curve) if int(s) < steps]
+          + [[steps, r["ensemble"]["accuracy"]]]}
+  return json.loads(json.dumps(row, default=float))  # numpy and jax scalars as floats
+
+
+def reach_fraction(row: dict, target: float) -> float:
+  """The first evaluated step at which ``row``'s ensemble accuracy reaches ``target``, over its steps
+  (``nan``: never)."""
+  for step, acc in row["curve"]:
+    if acc >= target:
+      return step / row["steps"]
+  return float("nan")
+
+
+def table(rows: list[dict]) -> str:
+  ddp = [r["ens_acc"] for r in rows if r["method"] == "ddp"]
+  target = float(np.mean(ddp)) if ddp else float("nan")
+  cols = COLUMNS + [("reach_ddp", 1, ".2f")]
+  lines = ["| method | seeds | " + " | ".join(c for c, _, _ in cols) + " |", "|" + "---|" * (len(cols) + 2)]
+  by_method = {}
+  for r in rows:
+    by_method.setdefault(r["method"], []).append({**r, "reach_ddp": reach_fraction(r, target)})
+  for method, rs in by_method.items():
+    cells = []
+    for c, scale, f in cols:
+      v = np.asarray([r[c] for r in rs], float) * scale
+      cells.append(f"{np.nanmean(v):{f}} ± {np.nanstd(v):{f}}" if np.isfinite(v).any() else "never")
+    lines.append(f"| {method} | {len(rs)} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def picture(rows: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  by_method = {}
+  for r in rows:
+    by_method.setdefault(r["method"], []).append(r)
+  for method, rs in by_method.items():
+    xs = np.asarray([s for s, _ in rs[0]["curve"]]) / (60_000 // rs[0]["batch"])
+    ys = np.asarray([[a for _, a in r["curve"]] for r in rs if len(r["curve"]) == len(xs)]) * 100
+    ax.errorbar(xs, ys.mean(0), yerr=ys.std(0), marker="o", capsize=3, label=f"{method[:40]} ({len(ys)} seeds)")
+  ax.set_xlabel("epoch")
+  ax.set_ylabel("test accuracy, % (ensemble; ddp: its model)")
+  ax.set_title(f"Fashion-MNIST, global batch {rows[0]['batch']}, 8 CPU devices")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--data_dir", default=os.path.expanduser("~/tensorflow_datasets"))
+  parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--first_seed", type=int, default=0)
+  parser.add_argument("--epochs", type=float, default=5.0)
+  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=0, help="train this many steps instead (smoke runs)")
+  parser.add_argument("--methods", default="ddp,deep ensemble,ipf (defaults),ipf digits' most diverse",
+                      help="a comma list of: " + ", ".join(METHODS))
+  parser.add_argument("--shift_examples", type=int, default=500)
+  parser.add_argument("--eval_every_epochs", type=float, default=1.0, help="0: only at the end (no curve)")
+  parser.add_argument("--cnn_features", default="", help="e.g. 4,8 (smoke runs; the tables use the config's)")
+  parser.add_argument("--out", default="", help="append each run's row here (JSON lines)")
+  parser.add_argument("--resume", action="store_true", help="skip the (method, seed) rows --out already has")
+  parser.add_argument("--picture", default="", help="write the accuracy-vs-epoch picture here (PNG)")
+  args = parser.parse_args()
+  joined = [m.strip() for m in args.methods.split(",") if m.strip()]
+  unknown = [m for m in joined if m not in METHODS]
+  if unknown:
+    parser.error(f"unknown method(s) {unknown}; use some of: {', '.join(METHODS)}")
+  logging.getLogger("ipf_jax").disabled = True
+  jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
+  rows = []
+  if args.out and os.path.exists(args.out):
+    rows = [json.loads(line) for line in open(args.out) if line.strip()]
+    rows = [r for r in rows if r["batch"] == args.batch and r["epochs"] == args.epochs]
+  done = {(r["method"], r["seed"]) for r in rows} if args.resume else set()
+  with tempfile.TemporaryDirectory() as tmp:
+    for method in joined:
+      for seed in range(args.first_seed, args.first_seed + args.seeds):
+        if (method, seed) in done:
+          continue
+        row = run_one(args, method, seed, os.path.join(tmp, f"{len(rows)}"))
+        rows.append(row)
+        if args.out:
+          with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"done {method} seed {seed}: ens_acc {100 * row['ens_acc']:.2f}% single {100 * row['single_acc']:.2f}% "
+              f"in {row['seconds']:.0f} s", flush=True)
+  rows = [r for r in rows if r["method"] in joined]
+  print(f"\nFashion-MNIST, {args.epochs:g} epochs, global batch {args.batch}, 8 CPU devices, mean ± std over seeds; "
+        f"shift = the 25 corrupted sets (first {args.shift_examples} test images each); OOD AUROC by the "
+        "ensemble's max probability; reach_ddp = first evaluated fraction of the run at which the ensemble "
+        "reaches DDP's final accuracy\n")
+  print(table(rows))
+  if args.picture:
+    picture(rows, args.picture)
+  print_summary({"benchmark": "fashion_mnist", "epochs": args.epochs, "batch": args.batch, "rows": rows})
+
+
+if __name__ == "__main__":
+  main()
