@@ -51,10 +51,12 @@ METHODS = {
     "deep ensemble": dict(mode="ensemble", num_particles=8),
     "ipf (defaults)": dict(mode="ipf"),
     "ipf digits' most diverse": DIGITS_BEST,
-    # the algorithm's levers, one at a time
+    # the algorithm's levers, one at a time and combined
+    "ipf ess_target=0.5": dict(mode="ipf", ess_target=0.5),
     "ipf temperature=1": dict(mode="ipf", temperature=1.0),
     "ipf correction=1": dict(mode="ipf", correction=1.0),
-    "ipf correction=0.9": dict(mode="ipf", correction=0.9),
+    "ipf correction=1 + ess_target=0.5": dict(mode="ipf", correction=1.0, ess_target=0.5),
+    "ipf correction=0.9 + ess_target=0.5": dict(mode="ipf", correction=0.9, ess_target=0.5),
     "ipf lr for the particle's batch (reference_batch_size=2048)": dict(mode="ipf", reference_batch_size=2048),
     "ipf elastic_pull=0.1": dict(mode="ipf", elastic_pull=0.1),
     "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),

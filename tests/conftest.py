@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ipf_jax_tests_cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -47,3 +49,24 @@ def pytest_pyfunc_call(pyfuncitem):
     import pytest
     pytest.fail(f"in a child process at full optimisation:\n{r.stdout[-6000:]}{r.stderr[-2000:]}", pytrace=False)
   return True
+
+
+FASHION_MNIST_DIR_ENV = "IPF_JAX_FASHION_MNIST_DIR"  # .ci/run prepares Fashion-MNIST there once (README command)
+
+
+@pytest.fixture(scope="session")
+def fashion_dir(tmp_path_factory):
+  """A TFDS data_dir holding fashion_mnist prepared from Debian's files: ``$IPF_JAX_FASHION_MNIST_DIR``
+  (``.ci/run``) or, without it, prepared here once per session (30 s)."""
+  from ipf_jax.data import prepare
+  source = prepare.DEBIAN_SOURCE["fashion_mnist"]
+  given = os.environ.get(FASHION_MNIST_DIR_ENV)
+  if given:
+    assert prepare.prepared("fashion_mnist", given), f"{FASHION_MNIST_DIR_ENV}={given} holds no fashion_mnist"
+    return given
+  if not os.path.isdir(source):
+    pytest.fail(f"{source} is missing: the Fashion-MNIST tests read the real files; run "
+                "`apt-get update && apt-get install -y dataset-fashion-mnist` (what .ci/run does)")
+  where = str(tmp_path_factory.mktemp("tfds"))
+  prepare.prepare_fashion_mnist(where, source)
+  return where

@@ -18,27 +18,16 @@ from ipf_jax.data import tfds_input
 from tests import helpers
 
 SOURCE = prepare.DEBIAN_SOURCE["fashion_mnist"]
-# Set by .ci/run, which prepares the dataset once with the README's command; else prepared here, once.
-DATA_DIR_ENV = "IPF_JAX_FASHION_MNIST_DIR"
 
 
 @pytest.fixture(scope="session")
-def source():
-  if not os.path.isdir(SOURCE):
-    pytest.fail(f"{SOURCE} is missing: these tests read the real files; run "
-                "`apt-get update && apt-get install -y dataset-fashion-mnist` (what .ci/run does)")
-  return SOURCE
+def source(fashion_dir):
+  return SOURCE  # the fixture fashion_dir (conftest.py) has checked that it is there
 
 
 @pytest.fixture(scope="session")
-def data_dir(source, tmp_path_factory):
-  given = os.environ.get(DATA_DIR_ENV)
-  if given:
-    assert prepare.prepared("fashion_mnist", given), f"{DATA_DIR_ENV}={given} holds no prepared fashion_mnist"
-    return given
-  where = str(tmp_path_factory.mktemp("tfds"))
-  prepare.prepare_fashion_mnist(where, source)
-  return where
+def data_dir(fashion_dir):
+  return fashion_dir
 
 
 def run_prepare(*args):

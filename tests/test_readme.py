@@ -11,6 +11,9 @@ In the README's order, from a fresh directory holding the checkout's ``configs/`
   ``examples/*.py``: their argument parsers take the flags (tests/test_examples.py runs them);
   ``python -m pydoc``/``benchmarks.*``: the module imports; ``pip install -r FILE``: the file exists;
   ``python -m pytest ...``: the command ``.ci/run`` runs.
+- Fashion-MNIST: ``apt-get install``: the package is installed (what ``.ci/run`` does);
+  ``python -m ipf_jax.data.prepare``: run, into the test's prepared folder (``tests/test_fashion_mnist.py``)
+  instead of the user's ``~/tensorflow_datasets``, which the config's dry run then reads.
 """
 import contextlib
 import importlib
@@ -137,8 +140,18 @@ def test_readme_claims_the_example_length():
   assert claimed == len(open(os.path.join(helpers.ROOT, "examples", "custom_model.py")).read().splitlines())
 
 
-def test_every_readme_command_works_as_written(tmp_path, monkeypatch):
+def with_fashion_dir(tokens, fashion_dir):
+  """The user's TFDS folder in a command replaced by the test's (Fashion-MNIST prepared there)."""
+  if tokens[:2] == ["python", "train.py"] and "configs/fashion_mnist" in " ".join(tokens):
+    return tokens + [f"--config.data_dir={fashion_dir}"]
+  if tokens[:3] == ["python", "-m", "ipf_jax.data.prepare"]:
+    return [fashion_dir if t.startswith("~/") else t for t in tokens]
+  return tokens
+
+
+def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_dir):
   commands = readme_commands(open(README).read())
+  commands = [(where, with_fashion_dir(tokens, fashion_dir)) for where, tokens in commands]
   assert len(commands) >= 15, commands
   monkeypatch.chdir(tmp_path)
   os.symlink(os.path.join(helpers.ROOT, "configs"), "configs")
@@ -169,6 +182,17 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch):
         assert os.path.isfile(os.path.join(tokens[3], "report", "weights.png")), what
       elif tokens[:2] == ["tensorboard", "--logdir"]:
         assert any(f.startswith("events.out.tfevents") for f in os.listdir(tokens[2])), what
+      elif tokens[:3] == ["python", "-m", "ipf_jax.data.prepare"]:
+        from ipf_jax.data import prepare
+        assert prepare.main(tokens[3:]) == 0, what
+        assert "already prepared" in out.getvalue(), what  # the test's folder: prepared by the fixture
+      elif tokens[0] == "apt-get":
+        if tokens[1] == "install":
+          for package in (t for t in tokens[2:] if not t.startswith("-")):
+            r = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True)
+            assert r.stdout == "install ok installed", f"{what}: {package} is not installed ({r.stdout}{r.stderr})"
+        else:
+          assert tokens[1:] == ["update"], what
       elif tokens[:2] == ["python", "-m"] and tokens[2] == "pytest":
         ci = open(os.path.join(helpers.ROOT, ".ci", "run")).read()
         assert " ".join(tokens) in ci, f"{what} is not what .ci/run runs"

@@ -127,6 +127,8 @@ def prepare_fashion_mnist(data_dir: Optional[str] = None, source: str = DEBIAN_S
         shutil.copyfileobj(f, g)
       unpacked[key] = dst
     builder = _local_builder(data_dir, unpacked)
+    if not sys.stderr.isatty():
+      tfds.disable_progress_bar()  # a log (CI) gets the one line at the end, not a bar per split
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return builder.data_dir
 
