@@ -133,7 +133,10 @@ def table(rows: list[dict]) -> str:
     cells = []
     for c, scale, f in cols:
       v = np.asarray([r[c] for r in rs], float) * scale
-      cells.append(f"{np.nanmean(v):{f}} ± {np.nanstd(v):{f}}" if np.isfinite(v).any() else "never")
+      if not np.isfinite(v).any():
+        cells.append("never")
+      else:
+        cells.append(f"{np.nanmean(v):{f}}" + (f" ± {np.nanstd(v):{f}}" if len(rs) > 1 else ""))
     lines.append(f"| {method} | {len(rs)} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

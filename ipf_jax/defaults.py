@@ -25,7 +25,8 @@ def get_config():
   config.async_checkpointing = True    # write checkpoints in the background while training goes on
 
   # --- data ------------------------------------------------------------------
-  config.dataset = "digits"            # digits (scikit-learn, embedded) | imagenet2012 | cifar10 | cifar100 (TFDS)
+  config.dataset = "digits"            # digits (scikit-learn, embedded) | imagenet2012 | cifar10 | cifar100 |
+                                       # fashion_mnist (TFDS; fashion_mnist from Debian: python -m ipf_jax.data.prepare)
   config.data_dir = ""                 # TFDS data_dir holding the prepared dataset ("" = TFDS default)
   config.image_size = 224              # TFDS datasets: training/eval crop size
   config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer

@@ -78,3 +78,24 @@ def test_weigh_common_benchmark_tiny():
 def test_cpu_collectives_tiny():
   s = run_module("benchmarks.cpu_collectives", "--programs", "2", "--devices", "2", "--tries", "1")
   assert s["all_completed"] and s["tries"][0]["completed"] and s["programs"] == 2, s
+
+
+def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
+  out = tmp_path / "rows.jsonl"
+  args = ("--data_dir", fashion_dir, "--seeds", "1", "--steps", "4", "--cnn_features", "4,8", "--shift_examples",
+          "20", "--methods", "ipf ess_target=0.5", "--out", str(out), "--picture", str(tmp_path / "c.png"))
+  s = run_module("benchmarks.fashion_mnist", *args, devices=8)
+  (r,) = s["rows"]
+  assert r["method"] == "ipf ess_target=0.5" and [json.loads(line) for line in open(out)] == [r]
+  assert r["steps"] == 4 and r["curve"][-1] == [4, r["ens_acc"]] and 0 < r["ood_digits"] < 1
+  assert 0 <= r["shift_ens_ece"] <= 1 and 0 < r["ood_photos"] < 1 and 0 <= r["resample_rate"] <= 1
+  assert (tmp_path / "c.png").stat().st_size > 0
+  again = run_module("benchmarks.fashion_mnist", *args, "--resume", devices=8)  # its row is there: not rerun
+  assert again["rows"] == [r]
+
+
+def test_fashion_mnist_input_tiny(fashion_dir):
+  s = run_module("benchmarks.fashion_mnist_input", "--data_dir", fashion_dir, "--configs", "fashion_mnist",
+                 "--batches", "3", "--repeats", "1", "--rounds", "1", devices=8)
+  (row,) = s["rows"]
+  assert row["model"] == "cnn" and row["pipeline_img_s"] > 0 and row["step_img_s"] > 0 and row["together_img_s"] > 0

@@ -153,7 +153,7 @@ def test_shifted_and_ood_sets_against_numpy(data_dir):
 FLAGS = ("--config.num_epochs=0", "--config.num_train_steps=12", "--config.num_particles=4",
          "--config.num_cpu_devices=4", "--config.cnn_features=(8,16,32)", "--config.global_batch_size=64",
          "--config.checkpoint_every_steps=4", "--config.log_every_steps=1", "--config.eval_batch_size=1000",
-         "--config.eval_shifts=contrast", "--config.shift_examples=200", "--config.ood_dataset=digits,photos",
+         "--config.eval_shifts=contrast", "--config.shift_examples=100", "--config.ood_dataset=digits,photos",
          "--config.shuffle_buffer=2048", "--config.warmup_steps=2", "--config.bn_momentum=0.5")
 
 
