@@ -186,10 +186,11 @@ def main():
   logging.getLogger("ipf_jax").disabled = True
   jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
   rows = []
-  if args.out and os.path.exists(args.out):
+  if args.resume and args.out and os.path.exists(args.out):  # the rows of this set-up already measured
     rows = [json.loads(line) for line in open(args.out) if line.strip()]
-    rows = [r for r in rows if r["batch"] == args.batch and r["epochs"] == args.epochs]
-  done = {(r["method"], r["seed"]) for r in rows} if args.resume else set()
+    steps = args.steps or int(args.epochs * (60_000 // args.batch))
+    rows = [r for r in rows if (r["batch"], r["epochs"], r["steps"]) == (args.batch, args.epochs, steps)]
+  done = {(r["method"], r["seed"]) for r in rows}
   with tempfile.TemporaryDirectory() as tmp:
     for method in joined:
       for seed in range(args.first_seed, args.first_seed + args.seeds):

@@ -10,7 +10,7 @@ global batch 512, SGD with Nesterov momentum, 2 warmup epochs then cosine.
 The published reference for this class (the dataset's README): ResNet-18
 with flips, translation and rotation, 94.9%. Not yet trained by this project:
 on this project's 2-core CPU machine one step takes 22 s (23 images/s,
-benchmarks/fashion_mnist_input.py), so its 3,515 steps would take 21 hours;
+benchmarks/fashion_mnist_input.py), so its 3,510 steps would take 21 hours;
 it is meant for a GPU.
 """
 from ipf_jax import defaults

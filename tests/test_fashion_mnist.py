@@ -140,6 +140,12 @@ def test_shifted_and_ood_sets_against_numpy(data_dir):
   np.testing.assert_array_equal(labels, test["label"][:64])
   moved = np.concatenate([b["image"] for b in sets["translation_5"].eval_batches(64)])
   assert np.abs(moved - (x * 255.0 - mean) / std).mean() > 0.1  # 5.25 pixels: a real shift at 28 x 28
+  # blur at severity 5: sigma 0.75 on 8 x 8 digits, scaled to 28 x 28 (x 3.5)
+  from scipy import ndimage
+  blurred = np.clip(ndimage.gaussian_filter(x, sigma=(0, 2.625, 2.625, 0), mode="constant"), 0, 1)
+  config.eval_shifts = "blur"
+  got = np.concatenate([b["image"] for b in shifts.eval_sets(config, ds)["blur_5"].eval_batches(64)])
+  np.testing.assert_allclose(got, (blurred * 255.0 - mean) / std, atol=2e-4)
   ood = shifts.ood_sets(config, ds)
   assert list(ood) == ["digits", "photos"] and ood["digits"].test_size == ood["photos"].test_size == 64
   digit = next(ood["digits"].eval_batches(64))["image"]
@@ -195,3 +201,22 @@ def test_train_py_on_the_real_files_then_resume_mid_epoch_equals_uninterrupted(d
                helpers.load_checkpoint_numpy(tmp_path / "resumed" / "checkpoints" / "12" / "state"),
                helpers.load_checkpoint_numpy(ref / "checkpoints" / "12" / "state"))
   assert helpers.final_table(r2.stdout) == helpers.final_table(r.stdout)
+
+
+def test_each_process_reads_its_part_of_a_shifted_set(data_dir, monkeypatch):
+  """Two processes: each reads a near-equal part of a corrupted set, and the parts are the set one
+  process reads (the corruption, drawn per image, is of the whole set on every process)."""
+  import jax
+  from configs import fashion_mnist
+  config = fashion_mnist.get_config()
+  config.data_dir, config.eval_shifts, config.shift_examples = data_dir, "gaussian_noise", 41
+  ds = tfds_input.TFDSDataset("fashion_mnist", data_dir, image_size=28, small_images=True)
+  whole = next(shifts.eval_sets(config, ds)["gaussian_noise_4"].eval_batches(100))
+  parts = []
+  for pid in (0, 1):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda pid=pid: pid)
+    parts.append(next(shifts.eval_sets(config, ds)["gaussian_noise_4"].eval_batches(100)))
+  assert [len(p["label"]) for p in parts] == [21, 20]
+  for key in ("image", "label"):
+    np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])

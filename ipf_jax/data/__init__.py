@@ -6,6 +6,8 @@ Debian's files: ``python -m ipf_jax.data.prepare fashion_mnist``).
 """
 from __future__ import annotations
 
+import os
+
 import ml_collections
 
 from ipf_jax.configuration import ConfigError
@@ -29,6 +31,7 @@ def create_dataset(config: ml_collections.ConfigDict):
     return data
   if config.dataset in TFDS_DATASETS:
     from ipf_jax.data import tfds_input  # imports TensorFlow: only for TFDS datasets
-    return tfds_input.TFDSDataset(config.dataset, config.data_dir or None, config.image_size,
+    data_dir = os.path.expanduser(config.data_dir) if config.data_dir else None  # "~/..." in a config file
+    return tfds_input.TFDSDataset(config.dataset, data_dir, config.image_size,
                                   shuffle_buffer=config.shuffle_buffer, small_images=config.dataset != "imagenet2012")
   raise ConfigError("dataset", f"unknown dataset {config.dataset!r}; use one of {', '.join(DATASETS)}")

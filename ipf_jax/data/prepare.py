@@ -152,8 +152,8 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   print(f"{args.dataset}: {'already prepared' if was else 'prepared'} in {where}")
-  print(f"train with: python train.py --config configs/{args.dataset}.py --config.data_dir="
-        f"{args.data_dir or '~/tensorflow_datasets'} --workdir runs/{args.dataset}")
+  data_flag = f" --config.data_dir={os.path.abspath(os.path.expanduser(args.data_dir))}" if args.data_dir else ""
+  print(f"train with: python train.py --config configs/{args.dataset}.py{data_flag} --workdir runs/{args.dataset}")
   return 0
 
 

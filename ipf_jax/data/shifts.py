@@ -93,17 +93,22 @@ def upscaled_digits(size: int = 28) -> np.ndarray:
 
 
 def photo_patches(num: int, size: int = 8) -> np.ndarray:
-  """``num`` grey ``size x size`` patches of scikit-learn's two sample photographs: random 32 x 32
-  crops (fixed seed), block-averaged 4 x 4, stretched to ``[0, 1]`` like the digits' ink."""
+  """``num`` grey ``size x size`` patches of scikit-learn's two sample photographs: random ``4 size``
+  square crops (fixed seed; 32 x 32 for digits) block-averaged 4 x 4 (smaller blocks above 106 x 106),
+  stretched to ``[0, 1]`` like the digits' ink."""
   from sklearn.datasets import load_sample_images
   photos = [im.astype(np.float64).mean(-1) for im in load_sample_images().images]
   rng = np.random.default_rng([SEED, 99])
-  crop = size * 4
+  block = max(1, min(4, min(p.shape[0] for p in photos) // size))  # 4 x 4 blocks up to 106 x 106 patches
+  crop = size * block
+  if crop >= min(p.shape[0] for p in photos):
+    raise DataError(f"photo patches of {size} x {size} do not fit in the sample photographs (427 x 640); "
+                    "use a smaller config.image_size or another ood_dataset")
   out = []
   for i in range(num):
     photo = photos[i % len(photos)]
     r, c = rng.integers(0, photo.shape[0] - crop), rng.integers(0, photo.shape[1] - crop)
-    patch = photo[r:r + crop, c:c + crop].reshape(size, 4, size, 4).mean((1, 3))
+    patch = photo[r:r + crop, c:c + crop].reshape(size, block, size, block).mean((1, 3))
     lo, hi = patch.min(), patch.max()
     out.append((patch - lo) / max(hi - lo, 1e-6))
   return np.stack(out)[..., None].astype(np.float32)
@@ -155,10 +160,11 @@ def eval_sets(config, dataset) -> dict:
   if config.dataset in ARRAY_SHIFTS:
     from ipf_jax.data import tfds_input
     images, labels = tfds_input.test_images(dataset)
-    images, labels = images[:n], labels[:n]
-    clean = images.astype(np.float32) / 255.0
-    return {f"{c}_{s}": tfds_input.ArrayEvalSet(f"{config.dataset}/{c}_{s}", corrupt(clean, c, s) * 255.0,
-                                                labels, dataset) for c in shifts for s in SEVERITIES}
+    images, labels = images[:n], labels[:n]  # uint8; each set is corrupted when it is evaluated
+    return {f"{c}_{s}": tfds_input.ArrayEvalSet(
+        f"{config.dataset}/{c}_{s}", images, labels, dataset,
+        transform=lambda x, c=c, s=s: corrupt(x.astype(np.float32) / 255.0, c, s) * 255.0)
+        for c in shifts for s in SEVERITIES}
   table = TFDS_SHIFTS[config.dataset]
   out = {}
   for shift in shifts:
@@ -207,7 +213,13 @@ def _ood_set(config, dataset, name: str):
     images = upscaled_digits(side)[:config.shift_examples or None] if name == "digits" else photo_patches(
         config.shift_examples or PHOTOS, side)
     return tfds_input.ArrayEvalSet(name, images * 255.0, None, dataset)
-  return _tfds(config, dataset, name, "test")
+  try:
+    return _tfds(config, dataset, name, "test")
+  except DataError as e:
+    if config.dataset not in ARRAY_OOD:
+      raise
+    raise DataError(f"config.ood_dataset: {name!r} is neither one of {config.dataset}'s own OOD sets "
+                    f"({', '.join(ARRAY_OOD[config.dataset])}) nor a prepared TFDS dataset ({e})") from None
 
 
 def _first(split: str, n) -> str:

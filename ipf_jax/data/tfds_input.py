@@ -33,7 +33,8 @@ def _tf():
 
 
 def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
-  where = data_dir or "~/tensorflow_datasets"
+  import os
+  where = data_dir or os.path.expanduser("~/tensorflow_datasets")  # no ~ after --config.data_dir= (not expanded)
   if name.split("/")[0] in ("imagenet2012", "imagenet2012_corrupted"):
     return (f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
             f"{where}/downloads/manual/, then run `tfds build {name} --data_dir={where}` "
@@ -239,16 +240,19 @@ class ArrayEvalSet:
   process reads its own near-equal part."""
   eval_process_local = True
 
-  def __init__(self, name: str, images: np.ndarray, labels: Optional[np.ndarray], like: TFDSDataset):
-    self.name, self.like = name, like
-    self.images = np.asarray(images, np.float32)
+  def __init__(self, name: str, images: np.ndarray, labels: Optional[np.ndarray], like: TFDSDataset,
+               transform=None):
+    self.name, self.like, self.images, self.transform = name, like, images, transform
     self.labels = np.zeros(len(images), np.int32) if labels is None else np.asarray(labels, np.int32)
     self.test_size = len(self.images)
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
+    """``transform`` (e.g. a corruption, which draws per image) runs on the whole set, here, so that a set
+    is the same whatever the process count and only one set is in memory at a time."""
     tf = _tf()
+    images = np.asarray(self.images if self.transform is None else self.transform(self.images), np.float32)
     part = np.array_split(np.arange(self.test_size), jax.process_count())[jax.process_index()]
-    ds = tf.data.Dataset.from_tensor_slices({"image": self.images[part], "label": self.labels[part]})
+    ds = tf.data.Dataset.from_tensor_slices({"image": images[part], "label": self.labels[part]})
     return _preprocessed_batches(ds, self.like, batch_size)
 
 
