@@ -70,6 +70,14 @@ COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, "
            ("resample_rate", 1, ".2f"), ("loss_std", 1, ".3f")]
 
 
+TRAIN_SIZE = 60_000
+
+
+def run_steps(args) -> int:
+  """The steps of one run: ``--steps``, else ``--epochs`` of ``--batch`` (as ``optim.train_steps`` rounds)."""
+  return args.steps or round(args.epochs * (TRAIN_SIZE // args.batch))
+
+
 def run_one(args, method: str, seed: int, workdir: str) -> dict:
   config = fashion_mnist.get_config()
   config.data_dir, config.seed = args.data_dir, seed
@@ -82,10 +90,9 @@ def run_one(args, method: str, seed: int, workdir: str) -> dict:
     config.num_epochs, config.num_train_steps = 0.0, args.steps
   for k, v in METHODS[method].items():
     config[k] = v
-  steps = args.steps or int(args.epochs * (60_000 // args.batch))
-  per_epoch = 60_000 // args.batch
+  steps = run_steps(args)
   if args.eval_every_epochs:
-    config.eval_every_steps = max(1, int(args.eval_every_epochs * per_epoch))
+    config.eval_every_steps = max(1, int(args.eval_every_epochs * (TRAIN_SIZE // args.batch)))
   t = time.perf_counter()
   r = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - t
@@ -150,7 +157,7 @@ def picture(rows: list[dict], path: str) -> None:
   for r in rows:
     by_method.setdefault(r["method"], []).append(r)
   for method, rs in by_method.items():
-    xs = np.asarray([s for s, _ in rs[0]["curve"]]) / (60_000 // rs[0]["batch"])
+    xs = np.asarray([s for s, _ in rs[0]["curve"]]) / (TRAIN_SIZE // rs[0]["batch"])
     ys = np.asarray([[a for _, a in r["curve"]] for r in rs if len(r["curve"]) == len(xs)]) * 100
     ax.errorbar(xs, ys.mean(0), yerr=ys.std(0), marker="o", capsize=3, label=f"{method[:40]} ({len(ys)} seeds)")
   ax.set_xlabel("epoch")
@@ -188,8 +195,7 @@ def main():
   rows = []
   if args.resume and args.out and os.path.exists(args.out):  # the rows of this set-up already measured
     rows = [json.loads(line) for line in open(args.out) if line.strip()]
-    steps = args.steps or int(args.epochs * (60_000 // args.batch))
-    rows = [r for r in rows if (r["batch"], r["epochs"], r["steps"]) == (args.batch, args.epochs, steps)]
+    rows = [r for r in rows if (r["batch"], r["epochs"], r["steps"]) == (args.batch, args.epochs, run_steps(args))]
   done = {(r["method"], r["seed"]) for r in rows}
   with tempfile.TemporaryDirectory() as tmp:
     for method in joined:
