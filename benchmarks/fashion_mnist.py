@@ -58,6 +58,13 @@ METHODS = {
     "ipf correction=1 + ess_target=0.5": dict(mode="ipf", correction=1.0, ess_target=0.5),
     "ipf correction=0.9 + ess_target=0.5": dict(mode="ipf", correction=0.9, ess_target=0.5),
     "ipf lr for the particle's batch (reference_batch_size=2048)": dict(mode="ipf", reference_batch_size=2048),
+    # diagnostics: tau = 0 keeps the weights uniform (no resampling) and lambda = 1 gives every particle the
+    # mean gradient, so the particles stay one model: DDP whose BatchNorm normalises over each particle's 16
+    # examples ("ghost" batches) instead of SyncBN's 128
+    "ddp with BatchNorm per particle (ipf temperature=0, correction=1)": dict(mode="ipf", temperature=0.0,
+                                                                             correction=1.0),
+    "ipf correction=1 + ess_target=0.5 + weigh_on=common": dict(mode="ipf", correction=1.0, ess_target=0.5,
+                                                               weigh_on="common"),
     "ipf elastic_pull=0.1": dict(mode="ipf", elastic_pull=0.1),
     "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
     "ipf ess_threshold=0.1": dict(mode="ipf", ess_threshold=0.1),

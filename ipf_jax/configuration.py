@@ -73,48 +73,49 @@ def setup_devices(config: ml_collections.ConfigDict) -> None:
                     f"{n}) right after `import jax`.")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ParticleSpec:
-  """The particle filter's static settings (DESIGN.md §3), resolved from the mode."""
+  """The particle filter's static settings (DESIGN.md §3), resolved from the mode. Keyword-only, and each
+  field named as the config field it comes from (``defaults.py`` says what it means); ``shared_init`` and
+  ``resampling`` are derived."""
   num_particles: int
-  temperature: float
-  forgetting: float
-  correction: float
-  ess_threshold: float
-  resample_every: int
-  jitter: float
-  shared_init: bool
-  resampling: bool  # whether the step has the resampling branch at all (ipf mode, P > 1)
-  compress: bool = False  # int8 error-feedback exchange of the consensus gradient
-  elastic: float = 0.0  # alpha: pull towards the fused parameters after each update
-  particle_loop: str = "vmap"  # how a device runs its local particles: vmap | map | unroll
-  exchange: str = "auto"  # how resampled particles move: all_to_all | rounds | auto (filter.choose_exchange)
-  weigh_on: str = "own"  # own | common: the loss the weights use (common: on examples every particle scores)
-  common_examples: int = 2  # weigh_on=common: examples from each particle's part of the batch (per data shard)
-  ess_target: float = 0.0  # > 0: tau_t by bisection so that the ESS after reweighting stays >= ess_target * P
-  jitter_lr: float = 0.0  # resampled copies' noise: sigma = jitter + jitter_lr * learning rate
-  accum_steps: int = 1  # each step's batch as this many micro-batches, gradients averaged (grad_accum_steps)
-  islands: int = 1  # G: groups of P / G particles, each weighed and resampled on its own (1 = one population)
+  temperature: float = 0.0
+  forgetting: float = 1.0
+  correction: float = 0.0
+  ess_threshold: float = 0.0
+  resample_every: int = 0
+  jitter: float = 0.0
+  shared_init: bool = True  # one init for all particles (config.init, resolved with the mode)
+  resampling: bool = False  # whether the step has the resampling branch at all (ipf mode, P > 1)
+  compress_correction: bool = False
+  elastic_pull: float = 0.0
+  particle_loop: str = "vmap"  # resolved: vmap | map | unroll
+  resample_exchange: str = "auto"  # all_to_all | rounds | auto (filter.choose_exchange)
+  weigh_on: str = "own"
+  common_examples: int = 2
+  ess_target: float = 0.0
+  jitter_lr: float = 0.0
+  grad_accum_steps: int = 1
+  islands: int = 1
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
   """The effective particle settings: ``ensemble`` and ``ddp`` switch weights,
   correction and resampling off; ``ipf`` uses the configured values."""
   shared = config.init == "shared" or (config.init == "auto" and config.mode != "ensemble")
-  if config.mode == "ipf" and config.num_particles > 1:
-    return ParticleSpec(config.num_particles, float(config.temperature), float(config.forgetting),
-                        float(config.correction), float(config.ess_threshold), int(config.resample_every),
-                        float(config.jitter), shared, resampling=True,
-                        compress=bool(config.compress_correction) and config.correction > 0,
-                        elastic=float(config.elastic_pull),
-                        particle_loop=resolve_particle_loop(config.particle_loop),
-                        exchange=config.resample_exchange, ess_target=float(config.ess_target),
-                        weigh_on=config.weigh_on, common_examples=int(config.common_examples),
-                        jitter_lr=float(config.jitter_lr), accum_steps=int(config.grad_accum_steps),
-                        islands=int(config.islands))
-  return ParticleSpec(config.num_particles, 0.0, 1.0, 0.0, 0.0, 0, 0.0, shared, resampling=False,
-                      particle_loop=resolve_particle_loop(config.particle_loop),
-                      accum_steps=int(config.grad_accum_steps))
+  common = dict(num_particles=config.num_particles, shared_init=shared,
+                particle_loop=resolve_particle_loop(config.particle_loop),
+                grad_accum_steps=int(config.grad_accum_steps))
+  if config.mode != "ipf" or config.num_particles == 1:
+    return ParticleSpec(**common)
+  return ParticleSpec(**common, resampling=True, temperature=float(config.temperature),
+                      forgetting=float(config.forgetting), correction=float(config.correction),
+                      ess_threshold=float(config.ess_threshold), resample_every=int(config.resample_every),
+                      jitter=float(config.jitter), jitter_lr=float(config.jitter_lr),
+                      compress_correction=bool(config.compress_correction) and config.correction > 0,
+                      elastic_pull=float(config.elastic_pull), resample_exchange=config.resample_exchange,
+                      ess_target=float(config.ess_target), weigh_on=config.weigh_on,
+                      common_examples=int(config.common_examples), islands=int(config.islands))
 
 
 def _check(cond: bool, field: str, message: str):

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ipf_jax.particles import Stream, stream
+
 
 def update_log_weights(log_w, loss, alive, temperature: float, forgetting: float):
   """``log w_i <- rho * log w_i - tau * loss_i``; ``-inf`` where not ``alive``.
@@ -364,10 +366,10 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
              method: str = "all_to_all", islands: int = 1):
   """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
-  ``u`` from ``fold_in(key, 0)``; slot ``n`` takes particle ``sources(u, all_log_w, islands)[n]``
+  ``u`` from ``Stream.RESAMPLE``; slot ``n`` takes particle ``sources(u, all_log_w, islands)[n]``
   (``systematic_resample`` then ``assign_slots``, per island; survivors keep their slots, as
   ``exchange_rounds`` requires);
-  copies get ``jitter`` from ``fold_in(key, 1)`` when ``sigma`` (a float, or a traced scalar) is not
+  copies get ``jitter`` from ``Stream.JITTER`` when ``sigma`` (a float, or a traced scalar) is not
   ``0``; weights reset to ``-log P``.
 
   Args:
@@ -376,9 +378,9 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
   Returns:
     ``(particle, uniform log-weights [L], src [P])``.
   """
-  u = jax.random.uniform(jax.random.fold_in(key, 0))
+  u = jax.random.uniform(stream(key, Stream.RESAMPLE))
   src = sources(u, all_log_w, islands)
   params, *rest = exchange(particle, src, axis_name, axis_size, method)
   if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
-    params = jitter(params, src, jax.random.fold_in(key, 1), sigma, axis_name)
+    params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name)
   return (params, *rest), jnp.full_like(log_w, -jnp.log(all_log_w.shape[0])), src

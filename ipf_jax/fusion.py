@@ -30,7 +30,7 @@ from ipf_jax import nnx_bridge
 from ipf_jax import sharing
 from ipf_jax.data.layout import TRAIN_BATCH_SPEC
 from ipf_jax.mesh import PARTICLE
-from ipf_jax.particles import over_particles
+from ipf_jax.particles import Stream, over_particles, stream
 from ipf_jax.state import ParticleState, state_specs
 
 
@@ -71,7 +71,7 @@ def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap")
   def local(state: ParticleState, batch):
     params = correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE)  # stats are replaced
     params = sharing.merge(params, state.shared_params)
-    key = jax.random.fold_in(state.rng, 2 ** 31 - 1) if task.rngs else None
+    key = stream(state.rng, Stream.FUSED_BN) if task.rngs else None
 
     def one(shard):
       def stats(start):

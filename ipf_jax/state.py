@@ -125,7 +125,7 @@ def train_state_init(rng: jax.Array, task, tx: optax.GradientTransformation, exa
 
 def _from_config(config, spec) -> dict:
   """The ``train_state_init`` arguments that the config and the particle spec decide."""
-  return dict(shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress,
+  return dict(shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress_correction,
               dynamic_scale=optim.create_dynamic_scale(config))
 
 

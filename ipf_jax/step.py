@@ -32,7 +32,7 @@ from ipf_jax import sharing
 from ipf_jax.configuration import ParticleSpec
 from ipf_jax.data.layout import TRAIN_BATCH_SPEC
 from ipf_jax.mesh import DATA, PARTICLE
-from ipf_jax.particles import over_particles, particle_keys, per_particle
+from ipf_jax.particles import Stream, over_particles, particle_keys, per_particle, stream
 from ipf_jax.state import ParticleState, state_specs
 from ipf_jax.task import Task
 
@@ -86,22 +86,22 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   run = over_particles(grad_fn, spec.particle_loop, (0, None, 0, 0, 0 if task.rngs else None))
 
   def micro_step(batch_stats, micro_batch, m):
-    micro_key = jax.random.fold_in(key, 2) if spec.accum_steps == 1 else jax.random.fold_in(
-        jax.random.fold_in(key, 2), m)
+    micro_key = stream(key, Stream.MODEL) if spec.grad_accum_steps == 1 else jax.random.fold_in(
+        stream(key, Stream.MODEL), m)
     keys = particle_keys(micro_key, num_local) if task.rngs else None
     (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, batch_stats, micro_batch, keys)
     return loss, batch_stats, grads, shared_grads, proposed
 
-  if spec.accum_steps == 1:
+  if spec.grad_accum_steps == 1:
     loss, batch_stats, grads, shared_grads, proposed = micro_step(state.batch_stats, batch, 0)
   else:
-    loss, batch_stats, grads, shared_grads, proposed = accumulate(micro_step, spec.accum_steps, state.batch_stats,
+    loss, batch_stats, grads, shared_grads, proposed = accumulate(micro_step, spec.grad_accum_steps, state.batch_stats,
                                                                   batch)
   loss_finite = jnp.isfinite(loss)
   alive = loss_finite & _all_finite((grads, shared_grads))
   score = None
   if spec.weigh_on == "common":
-    keys = particle_keys(jax.random.fold_in(key, 2), num_local) if task.rngs else None
+    keys = particle_keys(stream(key, Stream.MODEL), num_local) if task.rngs else None
     score = common_score(task, spec, state, shared, batch, keys)
     alive &= jnp.isfinite(score)
   grads, shared_grads = jax.tree.map(lambda g: jnp.where(per_particle(alive, g), g, 0), (grads, shared_grads))
@@ -226,21 +226,21 @@ def correct_and_update(tx: optax.GradientTransformation, spec: ParticleSpec, dp:
   opt_state, residual)``: everything that moves with a particle in resampling.
   """
   residual = state.residual
-  if spec.compress and dp > 1:
+  if spec.compress_correction and dp > 1:
     consensus, residual = compression.compressed_consensus(g.grads, weights, residual, PARTICLE, dp)
     directions = correction.mix(g.grads, consensus, spec.correction)
   else:
     directions = correction.correct(g.grads, weights, spec.correction, PARTICLE)
   updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  params = correction.correct(params, weights, spec.elastic, PARTICLE)
+  params = correction.correct(params, weights, spec.elastic_pull, PARTICLE)
   shared_updates, shared_opt_state = tx.update(correction.weighted_sum(g.shared_grads, weights, PARTICLE),
                                                state.shared_opt_state, state.shared_params)
   shared_params = optax.apply_updates(state.shared_params, shared_updates)
   return (params, g.batch_stats, opt_state, residual), shared_params, shared_opt_state
 
 
-# ---- 4. commit and 5. resample (filter.resample) ----------------------------------------------------------------
+# ---- 4. commit and 5. resample --------------------------------------------------------------------------------
 
 def resample_decision(spec: ParticleSpec, step, ess, num_alive):
   """Low ESS, a culled particle to replace (while any is alive), or the schedule."""
@@ -274,6 +274,51 @@ def jitter_sigma(spec: ParticleSpec, lr_fn: Optional[optax.Schedule], step):
   return spec.jitter + spec.jitter_lr * lr_fn(step)
 
 
+def commit(state: ParticleState, ok, particle, log_w, shared_params, shared_opt_state) -> ParticleState:
+  """Phase 4: the update applied where ``ok``, else the whole state kept (a skipped step). It comes before
+  the resampling, so the old state is dead while particles move (the exchange's buffers then add nothing
+  to the step's peak memory)."""
+  params, batch_stats, opt_state, residual = particle
+  updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
+                          log_weights=log_w, shared_params=shared_params, shared_opt_state=shared_opt_state)
+  return jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+
+
+def resample_phase(spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma):
+  """Phase 5: ``(state, src [P])``; where ``decide`` (replicated), the committed population resampled
+  (``filter.resample``: survivors in place, weights uniform), else unchanged with ``src`` the identity."""
+  identity = jnp.arange(spec.num_particles, dtype=jnp.int32)
+  method = pf.choose_exchange(spec.resample_exchange, dp)
+
+  def resample(particle, log_w):
+    return pf.resample(key, particle, log_w, all_log_w, dp, sigma, method=method, islands=spec.islands)
+
+  particle = (state.params, state.batch_stats, state.opt_state, state.residual)
+  (params, batch_stats, opt_state, residual), log_w, src = lax.cond(
+      decide, resample, lambda p, w: (p, w, identity), particle, state.log_weights)
+  return state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
+                       log_weights=log_w), src
+
+
+def step_metrics(spec: ParticleSpec, state: ParticleState, numbers: Numbers, all_log_w, ess, num_alive,
+                 resampled, src, temperature, overflow) -> dict:
+  """What the step reports, replicated (per-particle values ``[P]``). float16: an overflow step culls
+  nobody and keeps the weights, so it reports them as they were, not the discarded update."""
+  metrics = {"loss": numbers.loss, "alive": numbers.alive.astype(jnp.int32), "grad_norm": numbers.grad_norm,
+             "log_weights": all_log_w, "ess": ess, "resampled": resampled, "ancestors": src, "num_alive": num_alive}
+  if spec.ess_target:
+    metrics["temperature"] = temperature
+  if numbers.score is not None:
+    metrics["score"] = numbers.score
+  if state.dynamic_scale is not None:
+    metrics.update(loss_scale=state.dynamic_scale.scale, overflow=overflow)
+    finite = (numbers.alive + numbers.overflow) > 0
+    kept = {"log_weights": numbers.previous_log_weight, "ess": pf.ess(numbers.previous_log_weight, spec.islands),
+            "alive": finite.astype(jnp.int32), "num_alive": jnp.sum(finite).astype(jnp.int32)}
+    metrics.update({k: jnp.where(overflow, v, metrics[k]) for k, v in kept.items()})
+  return metrics
+
+
 def make_train_step(task: Task, tx: optax.GradientTransformation, spec: ParticleSpec,
                     mesh: jax.sharding.Mesh, lr_fn: Optional[optax.Schedule] = None) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
@@ -282,58 +327,35 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
   trains on ``batch[...][i]``); ``task.model`` must synchronise BatchNorm over ``"data"``. ``state``
   is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``.
   """
-  num_particles = spec.num_particles
   dp = mesh.shape[PARTICLE]
 
   def local_step(state: ParticleState, batch):
     step_key = jax.random.fold_in(state.rng, state.step)
-    num_local = state.log_weights.shape[0]
-    g = gradients(task, spec, state, batch, step_key)
-    numbers, all_log_w, temperature = reweigh(spec, state, g)
-    log_w = local_slice(all_log_w, num_local)
-    particle, shared_params, shared_opt_state = correct_and_update(tx, spec, dp, state, g, jnp.exp(log_w))
+    g = gradients(task, spec, state, batch, step_key)  # 1
+    numbers, all_log_w, temperature = reweigh(spec, state, g)  # 2
+    log_w = local_slice(all_log_w, state.log_weights.shape[0])
+    particle, shared_params, shared_opt_state = correct_and_update(tx, spec, dp, state, g, jnp.exp(log_w))  # 3
     ess = pf.ess(all_log_w, spec.islands)
     num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
-    identity = jnp.arange(num_particles, dtype=jnp.int32)
-    # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow. The commit
-    # comes before the resampling so the old state is dead while particles move (the exchange's buffers then
-    # add nothing to the step's peak memory).
+    # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
     ds, overflow = state.dynamic_scale, jnp.zeros((), bool)
     if ds is not None:
       ds, overflow = loss_scale_decision(ds, numbers)
     ok = (num_alive > 0) & ~overflow
-    params, batch_stats, opt_state, residual = particle
-    updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
-                            log_weights=log_w, shared_params=shared_params, shared_opt_state=shared_opt_state)
-    new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+    new_state = commit(state, ok, particle, log_w, shared_params, shared_opt_state)
     # 5. Resample the committed population (skipped steps never resample).
-    src, resampled = identity, jnp.zeros((), bool)
+    resampled, src = jnp.zeros((), bool), jnp.arange(spec.num_particles, dtype=jnp.int32)
     if spec.resampling:
       resampled = resample_decision(spec, state.step, ess, num_alive) & ok
-      particle = (new_state.params, new_state.batch_stats, new_state.opt_state, new_state.residual)
-      (params, batch_stats, opt_state, residual), new_log_w, src = lax.cond(
-          resampled, lambda p, w: pf.resample(step_key, p, w, all_log_w, dp, jitter_sigma(spec, lr_fn, state.step),
-                                              method=pf.choose_exchange(spec.exchange, dp), islands=spec.islands),
-          lambda p, w: (p, w, identity), particle, new_state.log_weights)
-      new_state = new_state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
-                                    log_weights=new_log_w)
-    new_state = new_state.replace(step=state.step + 1, num_skipped=state.num_skipped + (~ok & ~overflow).astype(
-        jnp.int32), num_resamples=state.num_resamples + resampled.astype(jnp.int32))
-    metrics = {"loss": numbers.loss, "alive": numbers.alive.astype(jnp.int32), "grad_norm": numbers.grad_norm,
-               "log_weights": all_log_w, "ess": ess, "resampled": resampled, "ancestors": src, "num_alive": num_alive}
-    if spec.ess_target:
-      metrics["temperature"] = temperature
-    if numbers.score is not None:
-      metrics["score"] = numbers.score
+      new_state, src = resample_phase(spec, dp, new_state, step_key, all_log_w, resampled,
+                                      jitter_sigma(spec, lr_fn, state.step))
+    new_state = new_state.replace(step=state.step + 1,
+                                  num_skipped=state.num_skipped + (~ok & ~overflow).astype(jnp.int32),
+                                  num_resamples=state.num_resamples + resampled.astype(jnp.int32))
     if ds is not None:
       new_state = new_state.replace(dynamic_scale=ds, num_overflows=state.num_overflows + overflow.astype(jnp.int32))
-      metrics.update(loss_scale=state.dynamic_scale.scale, overflow=overflow)
-      # An overflow step culls nobody and keeps the weights: report them so, not the discarded update.
-      finite = (numbers.alive + numbers.overflow) > 0
-      kept = {"log_weights": numbers.previous_log_weight, "ess": pf.ess(numbers.previous_log_weight, spec.islands),
-              "alive": finite.astype(jnp.int32), "num_alive": jnp.sum(finite).astype(jnp.int32)}
-      metrics.update({k: jnp.where(overflow, v, metrics[k]) for k, v in kept.items()})
-    return new_state, metrics
+    return new_state, step_metrics(spec, state, numbers, all_log_w, ess, num_alive, resampled, src, temperature,
+                                   overflow)
 
   specs = state_specs()
   sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(specs, TRAIN_BATCH_SPEC),

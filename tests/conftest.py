@@ -37,6 +37,20 @@ def pytest_configure(config):
                                      "LLVM optimisation level (comparisons whose float16 rounding depends on it)")
 
 
+# Files whose module- or session-scoped fixtures are built once per worker: each runs whole on one worker
+# (an xdist_group of its own, pytest.ini's --dist loadgroup), and goes first. Every other test is handed out
+# on its own, after them, so the two workers end together instead of one finishing a long file alone.
+WHOLE_FILES = ("test_durability.py", "test_multihost.py", "test_checkpoint.py", "test_fashion_mnist.py",
+               "test_outputs.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if item.path.name in WHOLE_FILES:
+      item.add_marker(pytest.mark.xdist_group(item.path.stem))
+  items.sort(key=lambda item: item.path.name not in WHOLE_FILES)  # stable: collection order otherwise
+
+
 def pytest_pyfunc_call(pyfuncitem):
   """A ``full_optimisation`` test runs in a child pytest process without ``FAST_COMPILE``."""
   if IN_CHILD or pyfuncitem.get_closest_marker("full_optimisation") is None:

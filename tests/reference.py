@@ -123,7 +123,7 @@ class Reference:
                minimum_scale=1.0, lr_fn=None):
     self.spec = spec
     self.lr_fn = lr_fn  # spec.jitter_lr: the copies' noise is jitter + jitter_lr * lr_fn(step)
-    self.accum_steps = spec.accum_steps
+    self.accum_steps = spec.grad_accum_steps
     self.tx = tx
     self.rng = rng
     p = spec.num_particles
@@ -227,10 +227,10 @@ class Reference:
       updates, self.opt_state[i] = self._update(d, self.opt_state[i], self.params[i])
       self.params[i] = optax.apply_updates(self.params[i], updates)
       self.batch_stats[i] = stats[i]
-    if s.elastic:  # pull towards theta_bar = sum_j w_j theta_j (after every particle's update)
+    if s.elastic_pull:  # pull towards theta_bar = sum_j w_j theta_j (after every particle's update)
       fused = jax.tree.map(lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0),
                            *self.params)
-      self.params = [jax.tree.map(lambda x, f: ((1 - s.elastic) * np.asarray(x, np.float64) + s.elastic * f)
+      self.params = [jax.tree.map(lambda x, f: ((1 - s.elastic_pull) * np.asarray(x, np.float64) + s.elastic_pull * f)
                                   .astype(np.float32), prm, fused) for prm in self.params]
     if self.pattern:  # one update of the shared parameters with the weighted consensus gradient
       consensus_shared = jax.tree.map(lambda *gs: sum(w[j] * gs[j] for j in range(p) if w[j] > 0), *shared_grads)

@@ -69,7 +69,7 @@ def test_compressed_ipf_step_follows_the_exact_reference():
   config = helpers.tiny_config(num_particles=8, temperature=1.0, correction=0.7, ess_threshold=0.0,
                                compress_correction=True)
   s, ref, spmd, refr = run_both(config, 4, 2, num_steps=4)
-  assert s.spec.compress and s.host_state().residual.shape[0] == 8
+  assert s.spec.compress_correction and s.host_state().residual.shape[0] == 8
   final = s.host_state()
   params, _, _ = ref.stacked()
   helpers.assert_close(final.params, params, rtol=2e-2, atol=2e-3)
