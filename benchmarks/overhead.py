@@ -180,12 +180,12 @@ def main():
   # 3. Particles per device, three ways of looping over them.
   rows = []
   for loop in ("vmap", "map", "unroll"):
-    variants = {l: Timed(config_for(args, mode="ensemble", num_particles=l * d, particle_loop=loop), args)
-                for l in (1, 2, 4)}
+    variants = {n: Timed(config_for(args, mode="ensemble", num_particles=n * d, particle_loop=loop), args)
+                for n in (1, 2, 4)}
     t = measure(variants, args.repeats, max(2, args.rounds // 2))
-    for l, v in t.items():
-      rows.append({"loop": loop, "L": l, "step_ms": 1e3 * v, "per-example vs L=1": (v / l) / t[1]})
-      summary[f"per_example_L{l}_{loop}"] = (v / l) / t[1]
+    for n, v in t.items():
+      rows.append({"loop": loop, "L": n, "step_ms": 1e3 * v, "per-example vs L=1": (v / n) / t[1]})
+      summary[f"per_example_L{n}_{loop}"] = (v / n) / t[1]
   print(f"\n3. Particles per device ({args.per_particle_batch} examples per particle; per-example cost vs L=1)")
   print_table(rows, ["loop", "L", "step_ms", "per-example vs L=1"])
 

@@ -46,8 +46,8 @@ def _flat_config(config) -> dict:
 # resume line says on how many devices the checkpoint was written). Any other difference is listed.
 HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every_steps", "checkpoint_every_minutes",
                         "time_limit_minutes", "keep_checkpoints", "async_checkpointing", "data_dir",
-                        "eval_batch_size", "eval_shifts", "shift_examples", "ood_dataset", "fused_bn_batches", "particle_loop",
-                        "num_devices", "particle_axis_size", "num_cpu_devices"})
+                        "eval_batch_size", "eval_shifts", "shift_examples", "ood_dataset", "fused_bn_batches",
+                        "particle_loop", "num_devices", "particle_axis_size", "num_cpu_devices"})
 
 
 # Config fields a dataset's name records (``ArrayDataset.holdout`` adds "(0.1 held out)"): when a checkpoint's

@@ -45,9 +45,10 @@ def get_config():
   config.shift_examples = 0            # > 0: each shifted set (and the in-memory OOD sets) is the first N images of
                                        # the test set, not all of it (an evaluation of 25 shifted sets of 10,000
                                        # costs 25 test-set evaluations; 0 = all)
-  config.ood_dataset = ""              # out-of-distribution sets for OOD AUROC, comma-separated: "" | photos (digits:
-                                       # 8x8 patches of scikit-learn's sample photos) | fashion_mnist: digits (sklearn's,
-                                       # upscaled to 28x28), photos (28x28 patches) | a prepared TFDS image dataset
+  config.ood_dataset = ""              # out-of-distribution sets for OOD AUROC, comma-separated: "" | photos
+                                       # (digits: 8x8 patches of scikit-learn's sample photos) | fashion_mnist: digits
+                                       # (sklearn's, upscaled to 28x28), photos (28x28 patches) | a prepared TFDS
+                                       # image dataset
 
   # --- model -----------------------------------------------------------------
   config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny

@@ -13,7 +13,7 @@ def run_module(module, *args, devices=1):
   r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  line = [l for l in r.stdout.splitlines() if l.startswith("SUMMARY ")][-1]
+  line = [x for x in r.stdout.splitlines() if x.startswith("SUMMARY ")][-1]
   return json.loads(line[len("SUMMARY "):])
 
 

@@ -58,6 +58,7 @@ def test_the_reference_pattern_tells_a_missing_heading():
 def test_the_layout_names_every_module():
   text = open(DESIGN, encoding="utf-8").read()
   layout = text[text.index("## 9. Layout"):]
-  modules = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "ipf_jax")) if f.endswith(".py") and f != "__init__.py")
+  modules = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "ipf_jax"))
+                   if f.endswith(".py") and f != "__init__.py")
   missing = [m for m in modules if not re.search(rf"\b{m}\.py\b", layout)]
   assert not missing, f"docs/DESIGN.md's layout does not name: {missing}"

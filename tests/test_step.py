@@ -9,7 +9,7 @@ from tests.reference import Reference
 # (Dp, Dd) meshes of the 8 fake devices, with L = 1, 2, 4 particles per device.
 MESHES = [(8, 1), (4, 2), (1, 8)]
 # Each mesh with two particle counts per device, each count on two meshes.
-CASES = [(dp, dd, dp * l) for (dp, dd), ls in zip(MESHES, ((1, 2), (2, 4), (1, 4))) for l in ls]
+CASES = [(dp, dd, dp * n) for (dp, dd), ns in zip(MESHES, ((1, 2), (2, 4), (1, 4))) for n in ns]
 
 
 def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=None):
