@@ -1,4 +1,4 @@
-"""The elastic pull (DESIGN.md §6): theta_i <- theta_i + alpha (theta_bar - theta_i) after each update.
+"""The elastic pull (DESIGN.md §3.4): theta_i <- theta_i + alpha (theta_bar - theta_i) after each update.
 
   python -m benchmarks.elastic_digits [--seeds 3] [--steps 300]
 

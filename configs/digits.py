@@ -18,6 +18,6 @@ def get_config():
   config.num_train_steps = 300
   config.num_cpu_devices = 8           # show the real particle mesh on a CPU-only machine
   config.jitter_lr = 0.3               # resample-move noise sigma = 0.3 x learning rate on resampled copies:
-                                       # measured on digits (BENCHMARKS.md, "Uncertainty"); its scale is
+                                       # measured on digits (BENCHMARKS.md, "Uncertainty on digits"); its scale is
                                        # absolute, so other models choose their own (the library default is 0)
   return config

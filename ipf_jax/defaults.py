@@ -74,7 +74,7 @@ def get_config():
                                        # and one update (1 = off)
   config.momentum = 0.9                # SGD momentum
   config.nesterov = True               # Nesterov momentum
-  config.weight_decay = 1e-4           # decoupled, on kernels only (not BN, not biases)
+  config.weight_decay = 1e-4           # L2 on kernels only (not BN, not biases), added before the momentum
   config.grad_clip_norm = 0.0          # clip each particle's gradient by global norm (0 = off)
 
   # --- particles (DESIGN.md §3) ----------------------------------------------

@@ -42,8 +42,9 @@ def _decay_mask(params):
 
 
 def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -> optax.GradientTransformation:
-  """SGD with (Nesterov) momentum, decoupled masked weight decay and optional clipping of each
-  particle's gradient by its global norm.
+  """SGD with (Nesterov) momentum, L2 weight decay on kernels (``wd * theta`` added to the direction
+  before the momentum, as PyTorch's and flax's ImageNet SGD do; not decoupled) and optional clipping of
+  each particle's direction ``d_i`` by its global norm.
 
   One particle's optimizer: the train step vmaps it over the particle axis. Gradient accumulation
   (``grad_accum_steps``) happens inside the train step, before the filter (``step.accumulate``).

@@ -37,18 +37,16 @@ def pytest_configure(config):
                                      "LLVM optimisation level (comparisons whose float16 rounding depends on it)")
 
 
-# Files whose module- or session-scoped fixtures are built once per worker: each runs whole on one worker
-# (an xdist_group of its own, pytest.ini's --dist loadgroup), and goes first. Every other test is handed out
-# on its own, after them, so the two workers end together instead of one finishing a long file alone.
-WHOLE_FILES = ("test_durability.py", "test_multihost.py", "test_checkpoint.py", "test_fashion_mnist.py",
-               "test_outputs.py")
-
-
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
+  """A test file with a module-scoped fixture runs whole on one worker (an ``xdist_group`` of its own;
+  pytest.ini's ``--dist loadgroup``), so that fixture is built once; every other test is handed out on its
+  own, so the two workers end together instead of one finishing a long file alone."""
   for item in items:
-    if item.path.name in WHOLE_FILES:
+    defs = getattr(item, "_fixtureinfo", None)
+    scopes = {d.scope for ds in (defs.name2fixturedefs.values() if defs else ()) for d in ds}
+    if scopes & {"module", "package", "class"}:
       item.add_marker(pytest.mark.xdist_group(item.path.stem))
-  items.sort(key=lambda item: item.path.name not in WHOLE_FILES)  # stable: collection order otherwise
 
 
 def pytest_pyfunc_call(pyfuncitem):
@@ -56,7 +54,8 @@ def pytest_pyfunc_call(pyfuncitem):
   if IN_CHILD or pyfuncitem.get_closest_marker("full_optimisation") is None:
     return None
   flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+  nodeid = pyfuncitem.nodeid.split("@")[0]  # without the xdist_group suffix
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", nodeid],
                      cwd=pyfuncitem.config.rootpath, capture_output=True, text=True, timeout=900,
                      env=dict(os.environ, IPF_JAX_TESTS_CHILD="1", XLA_FLAGS=flags))
   if r.returncode != 0:

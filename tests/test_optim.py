@@ -59,7 +59,8 @@ def test_grad_clip_norm_by_hand(clip, norm):
 
 
 def test_weight_decay_on_kernels_only_and_nesterov_momentum_by_hand():
-  """Two steps of SGD with Nesterov momentum mu and decoupled decay wd on ndim > 1 leaves only."""
+  """Two steps of SGD with Nesterov momentum mu and L2 decay wd (added before the momentum) on ndim > 1
+  leaves only."""
   lr, mu, wd = 0.1, 0.9, 0.01
   config = helpers.tiny_config(momentum=mu, nesterov=True, weight_decay=wd)
   tx = optim.create_optimizer(config, lambda step: lr)
