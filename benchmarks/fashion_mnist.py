@@ -61,8 +61,8 @@ METHODS = {
     # diagnostics: tau = 0 keeps the weights uniform (no resampling) and lambda = 1 gives every particle the
     # mean gradient, so the particles stay one model: DDP whose BatchNorm normalises over each particle's 16
     # examples ("ghost" batches) instead of SyncBN's 128
-    "ddp with BatchNorm per particle (ipf temperature=0, correction=1)": dict(mode="ipf", temperature=0.0,
-                                                                             correction=1.0),
+    "ddp with BatchNorm per particle (ipf temperature=0 + correction=1)": dict(mode="ipf", temperature=0.0,
+                                                                               correction=1.0),
     "ipf correction=1 + ess_target=0.5 + weigh_on=common": dict(mode="ipf", correction=1.0, ess_target=0.5,
                                                                weigh_on="common"),
     "ipf elastic_pull=0.1": dict(mode="ipf", elastic_pull=0.1),

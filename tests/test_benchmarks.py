@@ -80,6 +80,11 @@ def test_cpu_collectives_tiny():
   assert s["all_completed"] and s["tries"][0]["completed"] and s["programs"] == 2, s
 
 
+def test_fashion_mnist_study_method_names_survive_the_comma_list():
+  from benchmarks import fashion_mnist
+  assert not [m for m in fashion_mnist.METHODS if "," in m], "--methods is a comma list: a name cannot hold one"
+
+
 def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   out = tmp_path / "rows.jsonl"
   args = ("--data_dir", fashion_dir, "--seeds", "1", "--steps", "4", "--cnn_features", "4,8", "--shift_examples",
