@@ -65,6 +65,7 @@ METHODS = {
                                                                                correction=1.0),
     "ipf correction=1 + ess_target=0.5 + weigh_on=common": dict(mode="ipf", correction=1.0, ess_target=0.5,
                                                                weigh_on="common"),
+    "ipf correction=1 + ess_target=0.9": dict(mode="ipf", correction=1.0, ess_target=0.9),
     "ipf elastic_pull=0.1": dict(mode="ipf", elastic_pull=0.1),
     "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
     "ipf ess_threshold=0.1": dict(mode="ipf", ess_threshold=0.1),
