@@ -165,7 +165,8 @@ def picture(rows: list[dict], path: str) -> None:
   for r in rows:
     by_method.setdefault(r["method"], []).append(r)
   for method, rs in by_method.items():
-    xs = np.asarray([s for s, _ in rs[0]["curve"]]) / (TRAIN_SIZE // rs[0]["batch"])
+    longest = max(rs, key=lambda r: len(r["curve"]))  # rows without per-epoch evaluations have one point
+    xs = np.asarray([s for s, _ in longest["curve"]]) / (TRAIN_SIZE // longest["batch"])
     ys = np.asarray([[a for _, a in r["curve"]] for r in rs if len(r["curve"]) == len(xs)]) * 100
     ax.errorbar(xs, ys.mean(0), yerr=ys.std(0), marker="o", capsize=3, label=f"{method[:40]} ({len(ys)} seeds)")
   ax.set_xlabel("epoch")
