@@ -37,25 +37,12 @@ def pytest_configure(config):
                                      "LLVM optimisation level (comparisons whose float16 rounding depends on it)")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-  """A test file with a module-scoped fixture runs whole on one worker (an ``xdist_group`` of its own;
-  pytest.ini's ``--dist loadgroup``), so that fixture is built once; every other test is handed out on its
-  own, so the two workers end together instead of one finishing a long file alone."""
-  for item in items:
-    defs = getattr(item, "_fixtureinfo", None)
-    scopes = {d.scope for ds in (defs.name2fixturedefs.values() if defs else ()) for d in ds}
-    if scopes & {"module", "package", "class"}:
-      item.add_marker(pytest.mark.xdist_group(item.path.stem))
-
-
 def pytest_pyfunc_call(pyfuncitem):
   """A ``full_optimisation`` test runs in a child pytest process without ``FAST_COMPILE``."""
   if IN_CHILD or pyfuncitem.get_closest_marker("full_optimisation") is None:
     return None
   flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
-  nodeid = pyfuncitem.nodeid.split("@")[0]  # without the xdist_group suffix
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", nodeid],
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", pyfuncitem.nodeid],
                      cwd=pyfuncitem.config.rootpath, capture_output=True, text=True, timeout=900,
                      env=dict(os.environ, IPF_JAX_TESTS_CHILD="1", XLA_FLAGS=flags))
   if r.returncode != 0:
