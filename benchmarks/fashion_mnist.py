@@ -81,9 +81,13 @@ COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, "
 TRAIN_SIZE = 60_000
 
 
+def steps_per_epoch(batch: int) -> int:
+  return TRAIN_SIZE // batch
+
+
 def run_steps(args) -> int:
   """The steps of one run: ``--steps``, else ``--epochs`` of ``--batch`` (as ``optim.train_steps`` rounds)."""
-  return args.steps or round(args.epochs * (TRAIN_SIZE // args.batch))
+  return args.steps or round(args.epochs * steps_per_epoch(args.batch))
 
 
 def run_one(args, method: str, seed: int, workdir: str) -> dict:
@@ -100,7 +104,7 @@ def run_one(args, method: str, seed: int, workdir: str) -> dict:
     config[k] = v
   steps = run_steps(args)
   if args.eval_every_epochs:
-    config.eval_every_steps = max(1, int(args.eval_every_epochs * (TRAIN_SIZE // args.batch)))
+    config.eval_every_steps = max(1, int(args.eval_every_epochs * steps_per_epoch(args.batch)))
   t = time.perf_counter()
   r = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - t
@@ -166,7 +170,7 @@ def picture(rows: list[dict], path: str) -> None:
     by_method.setdefault(r["method"], []).append(r)
   for method, rs in by_method.items():
     longest = max(rs, key=lambda r: len(r["curve"]))  # rows without per-epoch evaluations have one point
-    xs = np.asarray([s for s, _ in longest["curve"]]) / (TRAIN_SIZE // longest["batch"])
+    xs = np.asarray([s for s, _ in longest["curve"]]) / steps_per_epoch(longest["batch"])
     ys = np.asarray([[a for _, a in r["curve"]] for r in rs if len(r["curve"]) == len(xs)]) * 100
     ax.errorbar(xs, ys.mean(0), yerr=ys.std(0), marker="o", capsize=3, label=f"{method[:40]} ({len(ys)} seeds)")
   ax.set_xlabel("epoch")

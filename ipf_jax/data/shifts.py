@@ -99,9 +99,10 @@ def photo_patches(num: int, size: int = 8) -> np.ndarray:
   from sklearn.datasets import load_sample_images
   photos = [im.astype(np.float64).mean(-1) for im in load_sample_images().images]
   rng = np.random.default_rng([SEED, 99])
-  block = max(1, min(4, min(p.shape[0] for p in photos) // size))  # 4 x 4 blocks up to 106 x 106 patches
+  shortest = min(p.shape[0] for p in photos)
+  block = max(1, min(4, shortest // size))  # 4 x 4 blocks up to 106 x 106 patches
   crop = size * block
-  if crop >= min(p.shape[0] for p in photos):
+  if crop >= shortest:
     raise DataError(f"photo patches of {size} x {size} do not fit in the sample photographs (427 x 640); "
                     "use a smaller config.image_size or another ood_dataset")
   out = []

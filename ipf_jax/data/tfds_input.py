@@ -8,6 +8,7 @@ by the example's position in the stream.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Iterator, Optional
 
 import jax
@@ -33,7 +34,6 @@ def _tf():
 
 
 def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
-  import os
   where = data_dir or os.path.expanduser("~/tensorflow_datasets")  # no ~ after --config.data_dir= (not expanded)
   if name.split("/")[0] in ("imagenet2012", "imagenet2012_corrupted"):
     return (f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
