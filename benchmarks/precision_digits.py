@@ -1,6 +1,6 @@
 """Compute dtypes on real data: float32, bfloat16, float16 with and without dynamic loss scaling.
 
-  python -m benchmarks.precision_digits [--seeds 3] [--steps 300]
+  python -m benchmarks.precision_digits [--seeds 3] [--steps 300] [--variants "float32;float16, scale 1"]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits config (ipf, 8
 particles, global batch 128) for every row; only ``dtype`` and the loss scale
@@ -40,8 +40,13 @@ def row(results, scalars):
 
 def main():
   parser = study_parser(__doc__)
+  parser.add_argument("--variants", default=";".join(VARIANTS), help="a ';' list (the names hold commas)")
   args = parser.parse_args()
-  digits_study("precision_digits", VARIANTS, row, args.seeds, args.steps,
+  names = args.variants.split(";")
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    parser.error(f"--variants: unknown {unknown}; the variants are {list(VARIANTS)}")
+  digits_study("precision_digits", {n: VARIANTS[n] for n in names}, row, args.seeds, args.steps,
                [("fused_acc", 100, ".2f"), ("ens_acc", 100, ".2f"), ("fused_nll", 1, ".4f"), ("ens_nll", 1, ".4f"),
                 ("final_train_loss", 1, ".4f"), ("overflow_steps", 1, ".1f"), ("final_loss_scale", 1, ".0f")],
                base=base_overrides(args))

@@ -62,7 +62,8 @@ class RunEvaluation:
     source can (``eval_process_local``)."""
     source = self.dataset if source is None else source
     local = getattr(source, "eval_process_local", False)
-    size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh)
+    size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh,
+                                                getattr(source, "test_size", None))
     self.eval_read = 0
 
     def counted(batches):
@@ -71,7 +72,7 @@ class RunEvaluation:
         yield batch
     return evaluation.evaluate(self.task, self.parts.eval_step, state,
                                counted(source.eval_batches(per_process if local else size)),
-                               self.config.eval_batch_size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
+                               size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
                                process_local=local)
 
   def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):

@@ -7,8 +7,8 @@ from tests.helpers import run_train_py as run_train
 
 def test_train_py_digits_smoke(tmp_path):
   r = run_train(tmp_path, "--config.num_train_steps=20", "--config.log_every_steps=10",
-                "--config.eval_shifts=contrast", "--config.ood_dataset=photos", "--config.calibration_fraction=0.1",
-                full_model=True)
+                "--config.eval_shifts=contrast", "--config.shift_examples=100", "--config.ood_dataset=photos",
+                "--config.calibration_fraction=0.1", full_model=True)
   assert r.returncode == 0, r.stdout + r.stderr
   out = r.stdout
   assert "mesh (particle, data)=(8, 1) on 8 cpu device(s)" in out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import jax
 from jax.sharding import NamedSharding
@@ -62,9 +62,12 @@ def put_train_batch(batch: dict, num_particles: int, mesh: jax.sharding.Mesh, pr
   return put_sharded(particle_layout(batch, num_particles), TRAIN_BATCH_SPEC, mesh)
 
 
-def eval_batch_sizes(batch_size: int, mesh: jax.sharding.Mesh) -> tuple[int, int]:
+def eval_batch_sizes(batch_size: int, mesh: jax.sharding.Mesh, examples: Optional[int] = None) -> tuple[int, int]:
   """``(global, per process)`` eval batch: ``batch_size`` rounded up to a multiple of the device count
-  (the evaluation pads and masks), and its share for each process."""
+  (the evaluation pads and masks), and its share for each process. A set of fewer ``examples`` than
+  ``batch_size`` (a shifted or OOD set of ``shift_examples``) is one batch of its own size, rounded up
+  likewise, not padded to ``batch_size``."""
+  batch_size = min(batch_size, examples) if examples else batch_size
   size = -(-batch_size // mesh.size) * mesh.size
   return size, size // jax.process_count()
 
