@@ -20,7 +20,7 @@ from ipf_jax.data import layout
 class Bench:
   """The run's parts (``build``) for ``config`` on this host's devices, with synthetic batches."""
 
-  def __init__(self, config, image_shape, num_classes, spec_changes=None):
+  def __init__(self, config, image_shape, num_classes, spec_changes=None, exchange=None):
     self.config = config
     spec = configuration.particle_spec(config)
     if spec_changes:  # e.g. {"resampling": False}: isolate one part of the step
@@ -28,7 +28,8 @@ class Bench:
     self.image_shape = tuple(image_shape)
     self.num_classes = num_classes
     example = {"image": np.zeros((1,) + self.image_shape, np.float32), "label": np.zeros((1,), np.int32)}
-    self.parts = build_lib.build(config, build_lib.zoo_task(config, num_classes), example, spec=spec)
+    self.parts = build_lib.build(config, build_lib.zoo_task(config, num_classes), example, spec=spec,
+                                 exchange=exchange)
     self.mesh, self.spec, self.tx, self.abstract, self.init = (self.parts.mesh, self.parts.spec, self.parts.tx,
                                                                self.parts.abstract_state, self.parts.init_state)
     self.model = self.parts.task.model

@@ -36,16 +36,12 @@ def main():
   p = jax.device_count()
   variants = {"ensemble": Timed(config_for(args, mode="ensemble", num_particles=p), args)}
   peaks = {"ensemble": memory_mib(variants["ensemble"].bench.compiled())["peak"]}
-  original = pf.exchange_rounds
   for b in args.buckets.split(","):
     name = f"rounds, bucket {b}"
-    pf.exchange_rounds = original if b == "auto" else functools.partial(original, bucket_bytes=int(b))
-    try:  # traced and compiled now, under this bucket size
-      variants[name] = Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1), args)
-      jax.block_until_ready(variants[name]())
-      peaks[name] = memory_mib(variants[name].bench.compiled())["peak"]
-    finally:
-      pf.exchange_rounds = original
+    exchange = pf.exchange_rounds if b == "auto" else functools.partial(pf.exchange_rounds, bucket_bytes=int(b))
+    variants[name] = Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1), args,
+                           exchange=exchange)
+    peaks[name] = memory_mib(variants[name].bench.compiled())["peak"]
   t = measure(variants, args.repeats, args.rounds)
   print_table([{"variant": k, "step_ms": 1e3 * v, "vs ensemble": v / t["ensemble"], "peak_MiB": peaks[k]}
                for k, v in t.items()], ["variant", "step_ms", "vs ensemble", "peak_MiB"])

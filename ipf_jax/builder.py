@@ -19,6 +19,7 @@ import optax
 from ipf_jax import configuration
 from ipf_jax import evaluation
 from ipf_jax import fusion
+from ipf_jax import filter as pf
 from ipf_jax import mesh as mesh_lib
 from ipf_jax import optim
 from ipf_jax import state as state_lib
@@ -41,6 +42,7 @@ class Parts:
   train_step: Callable
   eval_step: Callable
   fuse: Callable
+  diversity: Callable  # state -> [P] distances to the fused parameters (fuse's second output alone)
   fused_bn_fn: Callable
 
 
@@ -53,7 +55,7 @@ def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
 
 def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1,
           devices: Optional[Sequence[jax.Device]] = None, spec: Optional[configuration.ParticleSpec] = None,
-          optimizer: Optional[optim.Optimizer] = None) -> Parts:
+          optimizer: Optional[optim.Optimizer] = None, exchange: Optional[pf.Exchange] = None) -> Parts:
   """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
 
   Args:
@@ -63,6 +65,8 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
     spec: override of ``configuration.particle_spec(config)`` (benchmarks isolate parts of the step).
     optimizer: ``lr_fn -> optax.GradientTransformation`` for one particle, e.g.
       ``lambda lr: optax.adamw(lr, weight_decay=0.05)``; default the config's SGD (``optim.create_optimizer``).
+    exchange: how resampled particles move (``filter.Exchange``, e.g. ``functools.partial(
+      filter.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
   """
   if devices is None:
     configuration.setup_devices(config)
@@ -81,8 +85,9 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
   abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh)
   return Parts(config=config, task=task, mesh=mesh, spec=spec, total_steps=total, lr_fn=lr_fn, tx=tx,
                abstract_state=abstract, init_state=init,
-               train_step=step_lib.make_train_step(task, tx, spec, mesh, lr_fn),
+               train_step=step_lib.make_train_step(task, tx, spec, mesh, lr_fn, exchange),
                eval_step=evaluation.make_eval_step(task, mesh, spec.particle_loop), fuse=fusion.make_fuse_fn(mesh),
+               diversity=fusion.make_diversity_fn(mesh),
                fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop))
 
 

@@ -8,7 +8,7 @@ particle axis and communicate over the named mesh axis.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -179,24 +179,30 @@ def sources(u, log_w, islands: int = 1):
 EXCHANGES = ("all_to_all", "rounds")
 
 
-def choose_exchange(method: str, axis_size: int) -> str:
+def choose_exchange(method: str) -> str:
   """``auto``: ``rounds`` (peak memory 0.94-1.00x a step without resampling at every measured ``Dp`` up to
   64, where ``all_to_all``'s grows with ``Dp``, to 30x; traffic for the replaced particles only; faster
   when resampling every step on 8 CPU devices: BENCHMARKS.md "Scaling"); otherwise ``method``."""
   return "rounds" if method == "auto" else method
 
 
+# An exchange: ``exchange(tree, src, axis_name, axis_size) -> tree`` with ``new[n] = old[src[n]]`` for every
+# per-particle leaf, across devices, inside ``shard_map`` (``exchange_all_to_all``, ``exchange_rounds``, or
+# your own of this signature: ``make_train_step(..., exchange=...)``).
+Exchange = Callable[[Any, jax.Array, str, int], Any]
+
+
+def exchange_fn(method: str) -> Exchange:
+  """The exchange named by ``resample_exchange``: ``all_to_all``, ``rounds`` or ``auto``
+  (``choose_exchange``)."""
+  return {"all_to_all": exchange_all_to_all, "rounds": exchange_rounds}[choose_exchange(method)]
+
+
 def exchange(tree, src, axis_name: str, axis_size: int, method: str = "all_to_all"):
-  """``new[n] = old[src[n]]`` for every per-particle leaf, across devices (``method``: see
-  ``exchange_all_to_all`` and ``exchange_rounds``; both are exact copies). ``rounds`` needs ``src`` from
-  ``assign_slots`` (every source keeps its own slot, ``src[src[n]] == src[n]``); ``all_to_all`` takes
-  any ``src``."""
-  if not jax.tree.leaves(tree):
-    return tree
-  if axis_size == 1 and method != "rounds":  # one device: a gather (rounds: copies in place, within the device)
-    return jax.tree.map(lambda x: x[src], tree)
-  fn = {"all_to_all": exchange_all_to_all, "rounds": exchange_rounds}[method]
-  return fn(tree, src, axis_name, axis_size)
+  """``exchange_fn(method)(tree, src, axis_name, axis_size)``: both are exact copies. ``rounds`` needs
+  ``src`` from ``assign_slots`` (every source keeps its own slot, ``src[src[n]] == src[n]``);
+  ``all_to_all`` takes any ``src``."""
+  return exchange_fn(method)(tree, src, axis_name, axis_size)
 
 
 def exchange_all_to_all(tree, src, axis_name: str, axis_size: int):
@@ -211,7 +217,12 @@ def exchange_all_to_all(tree, src, axis_name: str, axis_size: int):
 
   The send/receive buffers hold ``axis_size * L = P`` particles per leaf per
   device: static shapes, whatever the ancestors; every resampling moves them all.
+  On one device it is a gather.
   """
+  if not jax.tree.leaves(tree):
+    return tree
+  if axis_size == 1:
+    return jax.tree.map(lambda x: x[src], tree)
   num_local = jax.tree.leaves(tree)[0].shape[0]
   src = src.reshape(axis_size, num_local)
   src_dev, src_loc = src // num_local, src % num_local
@@ -282,6 +293,8 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
   ``exchange_all_to_all`` takes any ``src``.
   """
   leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
   num_local = leaves[0].shape[0]
   me = lax.axis_index(axis_name)
   src_dev = (src // num_local).reshape(axis_size, num_local)
@@ -363,12 +376,12 @@ def jitter(params, src, key, sigma: float, axis_name: str):
 
 
 def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0, axis_name: str = "particle",
-             method: str = "all_to_all", islands: int = 1):
+             exchange: Exchange = exchange_all_to_all, islands: int = 1):
   """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
   ``u`` from ``Stream.RESAMPLE``; slot ``n`` takes particle ``sources(u, all_log_w, islands)[n]``
   (``systematic_resample`` then ``assign_slots``, per island; survivors keep their slots, as
-  ``exchange_rounds`` requires);
+  ``exchange_rounds`` requires), moved by ``exchange``;
   copies get ``jitter`` from ``Stream.JITTER`` when ``sigma`` (a float, or a traced scalar) is not
   ``0``; weights reset to ``-log P``.
 
@@ -380,7 +393,7 @@ def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0
   """
   u = jax.random.uniform(stream(key, Stream.RESAMPLE))
   src = sources(u, all_log_w, islands)
-  params, *rest = exchange(particle, src, axis_name, axis_size, method)
+  params, *rest = exchange(particle, src, axis_name, axis_size)
   if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
     params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name)
   return (params, *rest), jnp.full_like(log_w, -jnp.log(all_log_w.shape[0])), src

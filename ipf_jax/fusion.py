@@ -49,12 +49,27 @@ def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
 
   def local(state: ParticleState):
     params, stats = fused(state)
-    sq = sum(jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
-             for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))
     variables = {"params": sharing.merge(params, state.shared_params), "batch_stats": stats}
-    return variables, pf.gather_all(jnp.sqrt(sq), PARTICLE)
+    return variables, _distances(state, params)
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(),), out_specs=(P(), P())))
+
+
+def make_diversity_fn(mesh: jax.sharding.Mesh) -> Callable:
+  """``diversity(state) -> distances``, ``make_fuse_fn``'s second output alone (what a log line needs): the
+  fused parameters are summed on the way, never returned, so no replicated copy of the model is kept."""
+
+  def local(state: ParticleState):
+    return _distances(state, correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE))
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(),), out_specs=P()))
+
+
+def _distances(state: ParticleState, fused_params):
+  """``[P]`` ``||theta_i - theta_bar||`` over the particles' own (not shared) parameters, gathered."""
+  sq = sum(jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
+           for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_params)))
+  return pf.gather_all(jnp.sqrt(sq), PARTICLE)
 
 
 def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:

@@ -284,14 +284,15 @@ def commit(state: ParticleState, ok, particle, log_w, shared_params, shared_opt_
   return jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
 
 
-def resample_phase(spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma):
+def resample_phase(spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma,
+                   exchange: pf.Exchange):
   """Phase 5: ``(state, src [P])``; where ``decide`` (replicated), the committed population resampled
-  (``filter.resample``: survivors in place, weights uniform), else unchanged with ``src`` the identity."""
+  (``filter.resample``: survivors in place, weights uniform, particles moved by ``exchange``), else
+  unchanged with ``src`` the identity."""
   identity = jnp.arange(spec.num_particles, dtype=jnp.int32)
-  method = pf.choose_exchange(spec.resample_exchange, dp)
 
   def resample(particle, log_w):
-    return pf.resample(key, particle, log_w, all_log_w, dp, sigma, method=method, islands=spec.islands)
+    return pf.resample(key, particle, log_w, all_log_w, dp, sigma, exchange=exchange, islands=spec.islands)
 
   particle = (state.params, state.batch_stats, state.opt_state, state.residual)
   (params, batch_stats, opt_state, residual), log_w, src = lax.cond(
@@ -301,11 +302,14 @@ def resample_phase(spec: ParticleSpec, dp: int, state: ParticleState, key, all_l
 
 
 def step_metrics(spec: ParticleSpec, state: ParticleState, numbers: Numbers, all_log_w, ess, num_alive,
-                 resampled, src, temperature, overflow) -> dict:
-  """What the step reports, replicated (per-particle values ``[P]``). float16: an overflow step culls
-  nobody and keeps the weights, so it reports them as they were, not the discarded update."""
+                 resampled, src, temperature, overflow, lr=None) -> dict:
+  """What the step reports, replicated (per-particle values ``[P]``); ``lr``: the learning rate of this
+  step's update (with ``lr_fn``). float16: an overflow step culls nobody and keeps the weights, so it
+  reports them as they were, not the discarded update."""
   metrics = {"loss": numbers.loss, "alive": numbers.alive.astype(jnp.int32), "grad_norm": numbers.grad_norm,
              "log_weights": all_log_w, "ess": ess, "resampled": resampled, "ancestors": src, "num_alive": num_alive}
+  if lr is not None:
+    metrics["lr"] = jnp.asarray(lr, jnp.float32)
   if spec.ess_target:
     metrics["temperature"] = temperature
   if numbers.score is not None:
@@ -320,14 +324,18 @@ def step_metrics(spec: ParticleSpec, state: ParticleState, numbers: Numbers, all
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, spec: ParticleSpec,
-                    mesh: jax.sharding.Mesh, lr_fn: Optional[optax.Schedule] = None) -> Callable:
+                    mesh: jax.sharding.Mesh, lr_fn: Optional[optax.Schedule] = None,
+                    exchange: Optional[pf.Exchange] = None) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
 
   ``batch`` is a dict of ``[P, B, ...]`` arrays sharded ``P("particle", "data")`` (particle ``i``
   trains on ``batch[...][i]``); ``task.model`` must synchronise BatchNorm over ``"data"``. ``state``
-  is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``.
+  is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``;
+  with it the metrics hold ``lr``, this step's. ``exchange`` moves resampled particles (``filter.Exchange``;
+  default ``filter.exchange_fn(spec.resample_exchange)``).
   """
   dp = mesh.shape[PARTICLE]
+  exchange = exchange or pf.exchange_fn(spec.resample_exchange)
 
   def local_step(state: ParticleState, batch):
     step_key = jax.random.fold_in(state.rng, state.step)
@@ -348,14 +356,14 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     if spec.resampling:
       resampled = resample_decision(spec, state.step, ess, num_alive) & ok
       new_state, src = resample_phase(spec, dp, new_state, step_key, all_log_w, resampled,
-                                      jitter_sigma(spec, lr_fn, state.step))
+                                      jitter_sigma(spec, lr_fn, state.step), exchange)
     new_state = new_state.replace(step=state.step + 1,
                                   num_skipped=state.num_skipped + (~ok & ~overflow).astype(jnp.int32),
                                   num_resamples=state.num_resamples + resampled.astype(jnp.int32))
     if ds is not None:
       new_state = new_state.replace(dynamic_scale=ds, num_overflows=state.num_overflows + overflow.astype(jnp.int32))
     return new_state, step_metrics(spec, state, numbers, all_log_w, ess, num_alive, resampled, src, temperature,
-                                   overflow)
+                                   overflow, None if lr_fn is None else lr_fn(state.step))
 
   specs = state_specs()
   sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(specs, TRAIN_BATCH_SPEC),

@@ -58,13 +58,13 @@ class SummaryWriter:
     if self._writer is not None and time.monotonic() - self._last_flush > self._flush_secs:
       self.flush()
 
-  def train_step(self, step: int, m: dict, lr: float) -> None:
-    """One step's metrics (host numpy ``m`` from the train step)."""
+  def train_step(self, step: int, m: dict) -> None:
+    """One step's metrics (host numpy ``m`` from the train step, its learning rate ``lr`` included)."""
     if self._writer is None:
       return
     w = np.exp(m["log_weights"])
     alive = m["alive"] > 0
-    values = {"train/loss": metrics_lib.weighted_train_loss(m), "train/lr": lr,
+    values = {"train/loss": metrics_lib.weighted_train_loss(m), "train/lr": m["lr"],
               "train/ess": m["ess"], "train/max_weight": w.max(), "train/num_alive": m["num_alive"],
               "train/grad_norm": np.mean(m["grad_norm"][alive]) if alive.any() else np.nan,
               "resample/event": float(m["resampled"])}

@@ -388,7 +388,7 @@ def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupt
         now = time.perf_counter()
         rate = (done - last_step) / (now - t_last)
         for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
-          writer.train_step(k, mk, float(run.lr_fn(k)))
+          writer.train_step(k, mk)
         _log_progress(run, state, fetched[-1], writer, done, start, rate, skipped)
         t_last, last_step = now, done
       stop, save_now = control.at_step(done, log_step)
@@ -447,8 +447,7 @@ def _until_exhausted(batches, name: str, start: int):
 def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
   """The progress line (stdout and train.log) and the log-step scalars."""
   spec, total, config = run.spec, run.total, run.config
-  _, distances = run.parts.fuse(state)
-  distances = np.asarray(distances)
+  distances = np.asarray(run.parts.diversity(state))
   writer.scalars(done, {"train/images_per_s": rate * config.global_batch_size,
                         "train/resamples": int(state.num_resamples),
                         "train/diversity": float(np.nanmean(distances)),
@@ -466,4 +465,4 @@ def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: floa
            "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, epoch, loss,
            float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
            spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
-           float(run.lr_fn(done)), rate, _fmt_time(eta))
+           float(m["lr"]), rate, _fmt_time(eta))

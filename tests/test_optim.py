@@ -28,6 +28,22 @@ def test_schedule_is_linear_warmup_then_cosine_to_zero():
     assert float(lr(k)) == pytest.approx(hand(k), abs=1e-7), f"step {k}"
 
 
+def test_the_step_reports_the_learning_rate_of_its_update_and_diversity_without_the_fused_model():
+  """``metrics["lr"]`` of step k (0-based) is the schedule at k, the rate its update used (the last step's
+  is above 0, the cosine reaches 0 after it); ``parts.diversity`` is ``parts.fuse``'s distances."""
+  import jax
+  config = helpers.tiny_config(num_particles=4, lr_scaling="none", base_lr=0.4, warmup_steps=2, num_train_steps=5)
+  s = helpers.Setup(config, 2, 2)
+  hand = lambda k: 0.4 * k / 2 if k < 2 else 0.2 * (1 + math.cos(math.pi * (k - 2) / 3))
+  for k, (images, labels) in enumerate(helpers.particle_batches(4, 5)):
+    s.state, m = s.train_step(s.state, s.put(images, labels))
+    assert float(m["lr"]) == pytest.approx(hand(k), abs=1e-7), f"step {k}"
+  assert float(m["lr"]) > 0
+  distances = np.asarray(jax.block_until_ready(s.parts.diversity(s.state)))
+  np.testing.assert_allclose(distances, np.asarray(s.parts.fuse(s.state)[1]), rtol=1e-6)
+  assert distances.shape == (4,) and (distances > 0).all()
+
+
 def test_epochs_set_steps_and_warmup():
   config = helpers.tiny_config(num_epochs=2.5, warmup_epochs=0.5)
   assert optim.train_steps(config, 40) == (100, 20)
