@@ -12,13 +12,17 @@ Restoring tells three cases apart and never guesses:
   differing path and the config field(s) that decide it (found by rebuilding
   the state's shapes with each differing field set back to its saved value,
   so a new field cannot be forgotten). Nothing is touched.
-- **unreadable**: the checkpoint's own files cannot be read (missing,
-  truncated, undecodable). It is skipped; once an older one restores, the
-  unreadable newer ones are moved aside to ``<step>.unreadable`` (kept) so
-  that training can write those steps again. If none can be read, the run
-  stops with an error listing them and touches nothing.
-- anything else (out of memory, a lost peer): an error naming the checkpoint;
-  nothing is moved.
+- **unreadable**: the checkpoint's own files are not what was written. Decided by looking at them,
+  never from an error's text: each committed save lists its files and their sizes in
+  ``<step>/files.json`` (``FILE_LIST``), and a listed file that is missing or of another size is
+  damage; a checkpoint without the list (one cut off right after its commit) needs its two
+  metadata files to parse, and a restore that fails on a missing file or undecodable JSON
+  (``FileNotFoundError``, ``json.JSONDecodeError``, by class) is damage too. It is skipped; once an
+  older one restores, the unreadable newer ones are moved aside to ``<step>.unreadable`` (kept) so
+  that training can write those steps again. If none can be read, the run stops with an error
+  listing them and touches nothing.
+- anything else (out of memory, a lost peer, a file of the right size whose bytes changed): an error
+  naming the checkpoint; nothing is moved.
 """
 from __future__ import annotations
 
@@ -26,7 +30,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 from typing import Callable, Optional
 
@@ -43,12 +46,8 @@ from ipf_jax.compatibility import CheckpointError, Signature, check_compatible, 
 log = logging.getLogger("ipf_jax")
 
 ASIDE_SUFFIX = ".unreadable"
-# Markers of a read failure in the errors orbax and TensorStore raise for damaged files.
-_READ_FAILURES = ("Encountered error while reading array", "DATA_LOSS", "Error reading", "not found",
-                  "NOT_FOUND", "OUT_OF_RANGE", "Unterminated string", "Expecting value", "decompress")
-
-# ... and of failures that say nothing about the files.
-_NOT_DAMAGE = ("RESOURCE_EXHAUSTED", "No space left", "out of memory", "DEADLINE_EXCEEDED", "UNAVAILABLE")
+FILE_LIST = "files.json"  # in each checkpoint: {relative path: size in bytes} of its files, once committed
+_METADATA_FILES = ("meta/metadata", "state/_METADATA")  # what a checkpoint without FILE_LIST must parse
 
 
 class SaveError(CheckpointError):
@@ -83,18 +82,49 @@ def _save_cause(error: BaseException) -> str:
 
 
 def _unreadable(error: BaseException) -> Optional[str]:
-  """The reason, if ``error`` (or its cause) says the checkpoint's own files cannot be read."""
+  """The reason, if ``error`` (or its cause) is a file of the checkpoint missing or undecodable, by class."""
   e = error
   while e is not None:
     if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, json.JSONDecodeError)):
       return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    text = str(e)
-    if any(m in text for m in _READ_FAILURES) and not any(m in text for m in _NOT_DAMAGE):
-      arrays = re.findall(r"'path': '([^']+?)/?'", text)  # orbax names the TensorStore array it failed on
-      if arrays:
-        return f"the data of {arrays[-1].replace('.', '/')} cannot be read (a file is missing, truncated or damaged)"
-      return text.strip().splitlines()[0][:200]
     e = e.__cause__ or e.__context__
+  return None
+
+
+def list_files(path: str) -> dict[str, int]:
+  """``{relative path: size}`` of every file under ``path`` but ``FILE_LIST`` (and its temporary)."""
+  out = {}
+  for root, _, files in os.walk(path):
+    for f in files:
+      rel = os.path.relpath(os.path.join(root, f), path)
+      if not rel.startswith(FILE_LIST):  # the list and its temporary
+        out[rel] = os.path.getsize(os.path.join(root, f))
+  return out
+
+
+def damage(path: str) -> Optional[str]:
+  """Why the checkpoint at ``path`` is not what was written, from its files alone; ``None``: it looks whole."""
+  listed = os.path.join(path, FILE_LIST)
+  if os.path.isfile(listed):
+    try:
+      with open(listed) as f:
+        written = json.load(f)
+      assert isinstance(written, dict)
+    except (OSError, ValueError, AssertionError):
+      return f"its file list {FILE_LIST} cannot be read"
+    for rel, size in sorted(written.items()):
+      full = os.path.join(path, rel)
+      if not os.path.isfile(full):
+        return f"{rel} is missing"
+      if os.path.getsize(full) != size:
+        return f"{rel} holds {os.path.getsize(full)} bytes, written as {size} (truncated or changed)"
+    return None
+  for rel in _METADATA_FILES:  # no list: a checkpoint cut off right after its commit
+    try:
+      with open(os.path.join(path, rel)) as f:
+        json.load(f)
+    except (OSError, ValueError) as e:
+      return f"{rel} cannot be read ({type(e).__name__})"
   return None
 
 
@@ -111,8 +141,7 @@ class Checkpointer:
     self.optimizer = optimizer  # optim.optimizer_record of this run: saved, and compared on restore
     self._manager = None  # created at the first save: a run that is refused creates nothing
     self._pending: Optional[int] = None  # step of the save in flight
-    self._quarantine = quiet.Quarantine()
-    self._failed = False
+    quiet.drop_orbax_leftovers()  # a failed save's or restore's leftover tracebacks (quiet.py), nothing else
 
   # ---- listing -------------------------------------------------------------------------------
   def steps(self) -> list[int]:
@@ -151,7 +180,6 @@ class Checkpointer:
     meta = {"step": int(step), "config": json.loads(config.to_json()), "num_devices": jax.device_count(),
             "num_processes": jax.process_count(), "data": self.data_name, "optimizer": self.optimizer}
     self._pending = step
-    self._quarantine.begin()
     try:
       manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                    force=True)
@@ -178,8 +206,7 @@ class Checkpointer:
     needed = int(needed * 1.05) + (1 << 20)
     free = shutil.disk_usage(self.directory).free
     if free < needed:
-      raise self._save_error(step, OSError(errno.ENOSPC, f"about {workdir_lib.size_text(needed)} needed"),
-                             started=False)
+      raise self._save_error(step, OSError(errno.ENOSPC, f"about {workdir_lib.size_text(needed)} needed"))
 
   def wait(self) -> None:
     """Waits for the save in flight; raises ``SaveError`` if it failed; then drops checkpoints beyond ``keep``."""
@@ -192,9 +219,24 @@ class Checkpointer:
       raise self._save_error(self._pending, e) from None
     if self._pending is not None and self._pending not in self.steps():
       raise self._save_error(self._pending, RuntimeError("the save did not produce a complete checkpoint"))
+    if self._pending is not None:
+      self._write_file_list(self._pending)
     self._pending = None
-    self._quarantine.release()
     self._collect()
+
+  def _write_file_list(self, step: int) -> None:
+    """``FILE_LIST`` of a committed checkpoint, by process 0 alone (no barrier: ``poll`` may finish a save on
+    one process before another); written beside, then renamed into place."""
+    if jax.process_index() == 0:
+      path = str(self.directory / str(step))
+      tmp = os.path.join(path, FILE_LIST + ".tmp")
+      try:
+        files = list_files(path)
+        with open(tmp, "w") as f:
+          json.dump(files, f)
+        os.replace(tmp, os.path.join(path, FILE_LIST))
+      except OSError as e:
+        raise self._save_error(step, e) from None
 
   def _collect(self) -> None:
     """Deletes the oldest complete checkpoints beyond ``keep`` (only after the newest is committed)."""
@@ -202,10 +244,7 @@ class Checkpointer:
     for step in self.steps()[:-self.keep]:
       self._manager.delete(step)
 
-  def _save_error(self, step: Optional[int], error: BaseException, started: bool = True) -> SaveError:
-    if started:
-      self._failed = True
-      self._quarantine.keep()
+  def _save_error(self, step: Optional[int], error: BaseException) -> SaveError:
     cause = _save_cause(error)
     kept = [s for s in self.steps() if s != step]
     newest = f"the newest complete checkpoint is step {kept[-1]} (kept)" if kept else "no complete checkpoint exists"
@@ -224,32 +263,31 @@ class Checkpointer:
       self._manager = None
 
   def abandon(self) -> None:
-    """Releases orbax's threads after a failure, without raising; stderr is given back unless a save
-    failed (then its writers' noise keeps going to the quarantine)."""
+    """Releases orbax's threads after a failure, without raising."""
     if self._manager is not None:
       try:
         self._manager.close()
       except Exception:  # noqa: BLE001
         pass
       self._manager = None
-    if not self._failed:
-      self._quarantine.release()
 
   # ---- restoring -----------------------------------------------------------------------------
   def _read(self, step: int):
     """``(meta, saved signature)`` of one checkpoint, or ``(None, reason)`` if its files cannot be read."""
     path = self.directory / str(step)
-    with quiet.contained_stderr():
-      try:
-        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-          meta = ckptr.restore(path / "meta")
-        with ocp.StandardCheckpointer() as ckptr:
-          metadata = ckptr.metadata(path / "state")
-        why = text = None
-      except Exception as e:  # noqa: BLE001
-        why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        if why is not None:
-          return None, why
+    why = damage(str(path))
+    if why is not None:
+      return None, why
+    try:
+      with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+        meta = ckptr.restore(path / "meta")
+      with ocp.StandardCheckpointer() as ckptr:
+        metadata = ckptr.metadata(path / "state")
+      why = text = None
+    except Exception as e:  # noqa: BLE001
+      why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      if why is not None:
+        return None, why
     if text is not None:
       raise CheckpointError(f"cannot read {path}: {text}. The checkpoint was left as it is.")
     tree = getattr(getattr(metadata, "item_metadata", None), "tree", None)
@@ -319,13 +357,11 @@ class Checkpointer:
   def _restore(self, step: int, abstract_state):
     """``(state, None)``, or ``(None, reason)`` when the checkpoint's files cannot be read."""
     where = self.directory / str(step)
-    with quiet.contained_stderr():
-      try:
-        with ocp.StandardCheckpointer() as ckptr:
-          return ckptr.restore(where / "state", abstract_state), None
-      except Exception as e:  # noqa: BLE001
-        why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-      quiet.settle()
+    try:
+      with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(where / "state", abstract_state), None
+    except Exception as e:  # noqa: BLE001
+      why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     if why is None:
       raise CheckpointError(f"cannot restore {where}: {text}. The checkpoint was left as it is.")
     return None, why

@@ -25,7 +25,6 @@ from ipf_jax import checkpoint
 from ipf_jax import cluster
 from ipf_jax import configuration
 from ipf_jax import preemption
-from ipf_jax import quiet
 from ipf_jax import trainer
 from ipf_jax import workdir
 from ipf_jax.data.errors import DataError
@@ -136,7 +135,6 @@ def main(argv):
   # Failures reach the user as one line each; orbax's and asyncio's own tracebacks of them would bury it.
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
-  quiet.quiet_background_failures()  # and those of a background save that fails (a full disk)
   configuration.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
   watch = cluster.start(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                         startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
@@ -150,16 +148,15 @@ def main(argv):
       trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except ERRORS as e:
     error = str(e)
-    print(f"error: {e}", file=sys.__stderr__)  # sys.stderr may hold back orbax's noise after a failed save
+    print(f"error: {e}", file=sys.stderr)
     return preemption.EXIT_ERROR
   except preemption.RunStopped as e:
     return e.exit_code
   except KeyboardInterrupt:
     error = "interrupted"
-    print("interrupted: stopped at once; nothing saved since the newest checkpoint", file=sys.__stderr__)
+    print("interrupted: stopped at once; nothing saved since the newest checkpoint", file=sys.stderr)
     return preemption.EXIT_SIGINT
   except Exception as e:  # noqa: BLE001
-    sys.stderr = sys.__stderr__  # a traceback is never held back
     if watch is None:
       raise  # one process: a bug shows its traceback
     watch.fail(e)  # several: one line, the peers told, no wait in JAX's exit barrier

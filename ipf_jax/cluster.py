@@ -154,7 +154,7 @@ class PeerWatch:
            f"(coordinator {self.address}). This process ({self.me} of {self.n}) stops; the newest checkpoint is kept. "
            "Rerun every process with the same command to resume.")
     import traceback
-    traceback.print_exception(error, file=sys.__stderr__)
+    traceback.print_exception(error, file=sys.stderr)
     _die(f"process {self.me} of {self.n} stopped on an unexpected {type(error).__name__} (traceback above); the "
          "other processes are told to stop.")
 

@@ -46,7 +46,7 @@ class SummaryWriter:
     except OSError as e:
       self._writer = None
       print(f"warning: cannot write TensorBoard events{' in ' + where if where else ''} "
-            f"({e.strerror or e}); training goes on without them", file=sys.__stderr__, flush=True)
+            f"({e.strerror or e}); training goes on without them", file=sys.stderr, flush=True)
 
   def scalars(self, step: int, values: dict) -> None:
     if self._writer is None:

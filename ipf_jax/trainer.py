@@ -46,7 +46,7 @@ class _LogFile(logging.FileHandler):
     err = sys.exc_info()[1]
     log.removeHandler(self)
     print(f"warning: cannot write {self.baseFilename} ({getattr(err, 'strerror', None) or err}); progress goes "
-          "to stdout only", file=sys.__stderr__, flush=True)
+          "to stdout only", file=sys.stderr, flush=True)
 
 
 def setup_logging(workdir: Optional[str]) -> None:

@@ -160,3 +160,48 @@ def test_a_rerun_with_other_values_says_which_before_it_does_anything(uninterrup
   assert r.returncode == 0, r.stdout + r.stderr
   assert (f"with this run's values of the 1 config field(s) that differ from the checkpoint's "
           f"(base_lr: {base_lr!r} -> {base_lr / 2!r})") in r.stdout + r.stderr
+
+
+def test_damage_is_decided_by_the_files_listed_at_commit(uninterrupted, tmp_path):
+  """Each committed checkpoint lists its files and sizes; a listed file missing or of another size is
+  damage, found without orbax. Without the list (a run cut off right after a commit) the two metadata
+  files must parse."""
+  path = tmp_path / "30"
+  shutil.copytree(uninterrupted / "checkpoints" / str(STEPS), path)
+  written = json.load(open(path / checkpoint_lib.FILE_LIST))
+  assert written == checkpoint_lib.list_files(str(path)) and "state/_METADATA" in written and len(written) > 5
+  assert checkpoint_lib.damage(str(path)) is None
+  largest = max(written, key=written.get)
+  os.truncate(path / largest, written[largest] // 2)
+  assert checkpoint_lib.damage(str(path)) == (f"{largest} holds {written[largest] // 2} bytes, written as "
+                                              f"{written[largest]} (truncated or changed)")
+  os.truncate(path / largest, written[largest])  # the size back (zeros): bytes that changed are not seen here
+  os.remove(path / "state" / "_sharding")
+  assert checkpoint_lib.damage(str(path)) == "state/_sharding is missing"
+  os.remove(path / checkpoint_lib.FILE_LIST)
+  assert checkpoint_lib.damage(str(path)) is None
+  open(path / "meta" / "metadata", "w").write('{"step": 3')
+  assert checkpoint_lib.damage(str(path)) == "meta/metadata cannot be read (JSONDecodeError)"
+  open(path / checkpoint_lib.FILE_LIST, "w").write("[1, 2")
+  assert checkpoint_lib.damage(str(path)) == f"its file list {checkpoint_lib.FILE_LIST} cannot be read"
+
+
+def test_a_restore_that_fails_for_another_reason_stops_and_moves_nothing(uninterrupted, tmp_path, monkeypatch):
+  """Files that check out but a restore that fails (here: out of memory) is not damage: one error naming
+  the checkpoint, nothing set aside, whatever the error's words."""
+  import orbax.checkpoint as ocp
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  before = sorted(os.listdir(workdir / "checkpoints"))
+  config = digits.get_config()
+  config.update(json.load(open(workdir / "config.json")))
+  s = helpers.Setup(config, 8, 1)
+
+  def restore(self, *args, **kwargs):
+    raise MemoryError("DATA_LOSS: not found")  # words the old message matching took for damage
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, "restore", restore)
+  with pytest.raises(compatibility.CheckpointError, match=rf"cannot restore {workdir / 'checkpoints' / str(STEPS)}: "
+                     r"MemoryError: DATA_LOSS: not found\. The checkpoint was left as it is"):
+    checkpoint_lib.Checkpointer(str(workdir)).restore_latest(s.abstract, config)
+  assert sorted(os.listdir(workdir / "checkpoints")) == before
