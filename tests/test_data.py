@@ -61,9 +61,18 @@ def test_prefetch_passes_batches_and_errors():
     for b in layout.prefetch(broken(), lambda b: b):
       got.append(b)
   assert got == [1]
-  gen = layout.prefetch(iter(range(10 ** 9)), lambda b: b)  # endless input, consumer stops early
+  closed = []
+
+  def endless():
+    try:
+      yield from range(10 ** 9)
+    finally:
+      closed.append(True)
+
+  gen = layout.prefetch(endless(), lambda b: b)  # endless input, consumer stops early
   assert next(gen) == 0
   gen.close()
+  assert closed == [True], "the source is closed by the thread that read it, not left to the interpreter's exit"
 
 
 def test_a_set_smaller_than_the_eval_batch_is_one_batch_of_its_size():

@@ -86,8 +86,8 @@ def put_eval_batch(batch: dict, mesh: jax.sharding.Mesh, process_local: bool = F
 def prefetch(batches: Iterator[dict], put: Callable[[dict], dict], size: int = 2) -> Iterator[dict]:
   """Reads and places the next ``size`` batches on a background thread while the step runs.
 
-  The thread stops when the consumer stops (the generator is closed) and
-  re-raises its errors in the consumer.
+  The thread stops when the consumer stops (the generator is closed), closing ``batches`` (a
+  generator), and re-raises its errors in the consumer.
   """
   q: queue.Queue = queue.Queue(maxsize=size)
   stop = threading.Event()
@@ -111,6 +111,8 @@ def prefetch(batches: Iterator[dict], put: Callable[[dict], dict], size: int = 2
     except BaseException as e:  # noqa: BLE001 - handed to the consumer
       hand_over(e)
       return
+    finally:  # the source (a tf.data iterator) is released here, not at interpreter shutdown
+      getattr(batches, "close", lambda: None)()
     hand_over(done)
 
   thread = threading.Thread(target=worker, name="ipf_jax-prefetch", daemon=True)
