@@ -92,26 +92,26 @@ def _unreadable(error: BaseException) -> Optional[str]:
 
 
 def list_files(path: str) -> dict[str, int]:
-  """``{relative path: size}`` of every file under ``path`` but ``FILE_LIST`` (and its temporary)."""
+  """``{relative path: size}`` of every file under ``path`` but ``FILE_LIST`` (and NFS's ``.nfs*`` files)."""
   out = {}
   for root, _, files in os.walk(path):
     for f in files:
       rel = os.path.relpath(os.path.join(root, f), path)
-      if not rel.startswith(FILE_LIST):  # the list and its temporary
+      if rel != FILE_LIST and not f.startswith(".nfs"):
         out[rel] = os.path.getsize(os.path.join(root, f))
   return out
 
 
 def damage(path: str) -> Optional[str]:
   """Why the checkpoint at ``path`` is not what was written, from its files alone; ``None``: it looks whole."""
-  listed = os.path.join(path, FILE_LIST)
+  listed, written = os.path.join(path, FILE_LIST), None
   if os.path.isfile(listed):
     try:
       with open(listed) as f:
         written = json.load(f)
-      assert isinstance(written, dict)
-    except (OSError, ValueError, AssertionError):
-      return f"its file list {FILE_LIST} cannot be read"
+    except (OSError, ValueError):
+      written = None  # the list itself damaged: judged as a checkpoint without one
+  if isinstance(written, dict):
     for rel, size in sorted(written.items()):
       full = os.path.join(path, rel)
       if not os.path.isfile(full):
@@ -141,7 +141,6 @@ class Checkpointer:
     self.optimizer = optimizer  # optim.optimizer_record of this run: saved, and compared on restore
     self._manager = None  # created at the first save: a run that is refused creates nothing
     self._pending: Optional[int] = None  # step of the save in flight
-    quiet.drop_orbax_leftovers()  # a failed save's or restore's leftover tracebacks (quiet.py), nothing else
 
   # ---- listing -------------------------------------------------------------------------------
   def steps(self) -> list[int]:
@@ -180,6 +179,7 @@ class Checkpointer:
     meta = {"step": int(step), "config": json.loads(config.to_json()), "num_devices": jax.device_count(),
             "num_processes": jax.process_count(), "data": self.data_name, "optimizer": self.optimizer}
     self._pending = step
+    quiet.arm()  # until it is committed (wait)
     try:
       manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                    force=True)
@@ -221,22 +221,31 @@ class Checkpointer:
       raise self._save_error(self._pending, RuntimeError("the save did not produce a complete checkpoint"))
     if self._pending is not None:
       self._write_file_list(self._pending)
+      quiet.disarm()
     self._pending = None
     self._collect()
 
   def _write_file_list(self, step: int) -> None:
     """``FILE_LIST`` of a committed checkpoint, by process 0 alone (no barrier: ``poll`` may finish a save on
-    one process before another); written beside, then renamed into place."""
-    if jax.process_index() == 0:
-      path = str(self.directory / str(step))
-      tmp = os.path.join(path, FILE_LIST + ".tmp")
+    one process before another). Written outside the step's folder, then renamed into it, so that nothing in
+    the folder disappears while another process measures it (``_check_space``). The list is optional: if it
+    cannot be written (a full disk), the checkpoint stays complete without it."""
+    if jax.process_index() != 0:
+      return
+    path = str(self.directory / str(step))
+    tmp = str(self.directory / f".{step}.{FILE_LIST}.tmp")
+    try:
+      files = list_files(path)
+      with open(tmp, "w") as f:
+        json.dump(files, f)
+      os.replace(tmp, os.path.join(path, FILE_LIST))
+    except OSError as e:
+      log.warning("checkpoint %s is complete, but its file list could not be written (%s): a damaged file in it "
+                  "would stop a resume instead of being set aside", path, e.strerror or e)
       try:
-        files = list_files(path)
-        with open(tmp, "w") as f:
-          json.dump(files, f)
-        os.replace(tmp, os.path.join(path, FILE_LIST))
-      except OSError as e:
-        raise self._save_error(step, e) from None
+        os.remove(tmp)
+      except OSError:
+        pass
 
   def _collect(self) -> None:
     """Deletes the oldest complete checkpoints beyond ``keep`` (only after the newest is committed)."""
@@ -245,6 +254,7 @@ class Checkpointer:
       self._manager.delete(step)
 
   def _save_error(self, step: Optional[int], error: BaseException) -> SaveError:
+    quiet.after_orbax_failure()  # its writers' leftover tracebacks (quiet.py)
     cause = _save_cause(error)
     kept = [s for s in self.steps() if s != step]
     newest = f"the newest complete checkpoint is step {kept[-1]} (kept)" if kept else "no complete checkpoint exists"
@@ -278,13 +288,16 @@ class Checkpointer:
     why = damage(str(path))
     if why is not None:
       return None, why
+    quiet.arm()
     try:
       with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
         meta = ckptr.restore(path / "meta")
       with ocp.StandardCheckpointer() as ckptr:
         metadata = ckptr.metadata(path / "state")
       why = text = None
+      quiet.disarm()
     except Exception as e:  # noqa: BLE001
+      quiet.after_orbax_failure()
       why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
       if why is not None:
         return None, why
@@ -329,6 +342,8 @@ class Checkpointer:
         continue
       for bad, _ in damaged:
         self._move_aside(bad)
+      if not self.read_only and not os.path.isfile(os.path.join(where, FILE_LIST)):
+        self._write_file_list(step)  # a checkpoint cut off before its list (or an older version's) gets one
       return state, meta
     listing = "; ".join(f"{step}: {why}" for step, why in damaged)
     raise CheckpointError(
@@ -357,10 +372,14 @@ class Checkpointer:
   def _restore(self, step: int, abstract_state):
     """``(state, None)``, or ``(None, reason)`` when the checkpoint's files cannot be read."""
     where = self.directory / str(step)
+    quiet.arm()
     try:
       with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(where / "state", abstract_state), None
+        state = ckptr.restore(where / "state", abstract_state)
+      quiet.disarm()
+      return state, None
     except Exception as e:  # noqa: BLE001
+      quiet.after_orbax_failure()
       why, text = _unreadable(e), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     if why is None:
       raise CheckpointError(f"cannot restore {where}: {text}. The checkpoint was left as it is.")

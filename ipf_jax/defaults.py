@@ -31,7 +31,8 @@ def get_config():
   config.image_size = 224              # TFDS datasets: training/eval crop size
   config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer
   config.global_batch_size = 128       # G: examples per step (one update), over all particles and devices
-  config.eval_batch_size = 256         # per eval step (rounded up to a multiple of the devices; padded, masked)
+  config.eval_batch_size = 256         # per eval step (rounded up to a multiple of the devices; padded, masked;
+                                       # a smaller set is one batch of its own size)
   config.train_fraction = 1.0          # embedded datasets: train on this fixed random fraction of the train split
   config.label_noise = 0.0             # embedded datasets: this fraction of train labels replaced by another class
   config.calibration_fraction = 0.0    # hold out this fraction of the train split (in-memory datasets) to fit

@@ -274,6 +274,13 @@ def jitter_sigma(spec: ParticleSpec, lr_fn: Optional[optax.Schedule], step):
   return spec.jitter + spec.jitter_lr * lr_fn(step)
 
 
+def updates_done(state: ParticleState):
+  """The optimizer's update count before this step: steps minus those skipped whole (nothing finite, or a
+  float16 overflow), which keep the optimizer state and so its schedule's count."""
+  overflows = 0 if state.num_overflows is None else state.num_overflows
+  return state.step - state.num_skipped - overflows
+
+
 def commit(state: ParticleState, ok, particle, log_w, shared_params, shared_opt_state) -> ParticleState:
   """Phase 4: the update applied where ``ok``, else the whole state kept (a skipped step). It comes before
   the resampling, so the old state is dead while particles move (the exchange's buffers then add nothing
@@ -303,8 +310,8 @@ def resample_phase(spec: ParticleSpec, dp: int, state: ParticleState, key, all_l
 
 def step_metrics(spec: ParticleSpec, state: ParticleState, numbers: Numbers, all_log_w, ess, num_alive,
                  resampled, src, temperature, overflow, lr=None) -> dict:
-  """What the step reports, replicated (per-particle values ``[P]``); ``lr``: the learning rate of this
-  step's update (with ``lr_fn``). float16: an overflow step culls nobody and keeps the weights, so it
+  """What the step reports, replicated (per-particle values ``[P]``); ``lr``: the learning rate the optimizer
+  applies at this step (with ``lr_fn``). float16: an overflow step culls nobody and keeps the weights, so it
   reports them as they were, not the discarded update."""
   metrics = {"loss": numbers.loss, "alive": numbers.alive.astype(jnp.int32), "grad_norm": numbers.grad_norm,
              "log_weights": all_log_w, "ess": ess, "resampled": resampled, "ancestors": src, "num_alive": num_alive}
@@ -331,8 +338,10 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
   ``batch`` is a dict of ``[P, B, ...]`` arrays sharded ``P("particle", "data")`` (particle ``i``
   trains on ``batch[...][i]``); ``task.model`` must synchronise BatchNorm over ``"data"``. ``state``
   is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``;
-  with it the metrics hold ``lr``, this step's. ``exchange`` moves resampled particles (``filter.Exchange``;
-  default ``filter.exchange_fn(spec.resample_exchange)``).
+  with it the metrics hold ``lr``, the schedule at the optimizer's count (``updates_done``: steps skipped
+  whole apply no update, so the count lags ``state.step`` by them). ``exchange`` moves resampled particles
+  (``filter.Exchange``; default ``filter.exchange_fn(spec.resample_exchange)``; unused where
+  ``spec.resampling`` is off: ensemble, DDP).
   """
   dp = mesh.shape[PARTICLE]
   exchange = exchange or pf.exchange_fn(spec.resample_exchange)
@@ -363,7 +372,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
     if ds is not None:
       new_state = new_state.replace(dynamic_scale=ds, num_overflows=state.num_overflows + overflow.astype(jnp.int32))
     return new_state, step_metrics(spec, state, numbers, all_log_w, ess, num_alive, resampled, src, temperature,
-                                   overflow, None if lr_fn is None else lr_fn(state.step))
+                                   overflow, None if lr_fn is None else lr_fn(updates_done(state)))
 
   specs = state_specs()
   sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(specs, TRAIN_BATCH_SPEC),

@@ -64,7 +64,7 @@ class SummaryWriter:
       return
     w = np.exp(m["log_weights"])
     alive = m["alive"] > 0
-    values = {"train/loss": metrics_lib.weighted_train_loss(m), "train/lr": m["lr"],
+    values = {"train/loss": metrics_lib.weighted_train_loss(m), "train/lr": m.get("lr", np.nan),
               "train/ess": m["ess"], "train/max_weight": w.max(), "train/num_alive": m["num_alive"],
               "train/grad_norm": np.mean(m["grad_norm"][alive]) if alive.any() else np.nan,
               "resample/event": float(m["resampled"])}

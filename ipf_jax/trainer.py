@@ -294,7 +294,7 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
     return _train_from(run, control, ckpt, state, step_hook)
   finally:
     if ckpt is not None:
-      ckpt.abandon()  # after an error: orbax's threads released, stderr given back
+      ckpt.abandon()  # after an error: orbax's threads released
 
 
 def _refuse_to_overwrite(workdir: str) -> None:
@@ -465,4 +465,4 @@ def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: floa
            "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, epoch, loss,
            float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
            spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
-           float(m["lr"]), rate, _fmt_time(eta))
+           float(m.get("lr", np.nan)), rate, _fmt_time(eta))

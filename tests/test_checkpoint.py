@@ -182,8 +182,8 @@ def test_damage_is_decided_by_the_files_listed_at_commit(uninterrupted, tmp_path
   assert checkpoint_lib.damage(str(path)) is None
   open(path / "meta" / "metadata", "w").write('{"step": 3')
   assert checkpoint_lib.damage(str(path)) == "meta/metadata cannot be read (JSONDecodeError)"
-  open(path / checkpoint_lib.FILE_LIST, "w").write("[1, 2")
-  assert checkpoint_lib.damage(str(path)) == f"its file list {checkpoint_lib.FILE_LIST} cannot be read"
+  open(path / checkpoint_lib.FILE_LIST, "w").write("[1, 2")  # a damaged list: judged as no list
+  assert checkpoint_lib.damage(str(path)) == "meta/metadata cannot be read (JSONDecodeError)"
 
 
 def test_a_restore_that_fails_for_another_reason_stops_and_moves_nothing(uninterrupted, tmp_path, monkeypatch):
@@ -205,3 +205,11 @@ def test_a_restore_that_fails_for_another_reason_stops_and_moves_nothing(uninter
                      r"MemoryError: DATA_LOSS: not found\. The checkpoint was left as it is"):
     checkpoint_lib.Checkpointer(str(workdir)).restore_latest(s.abstract, config)
   assert sorted(os.listdir(workdir / "checkpoints")) == before
+  # The same checkpoint without its list (cut off after the commit) restores, and gets its list then.
+  monkeypatch.undo()
+  newest = workdir / "checkpoints" / str(STEPS)
+  written = json.load(open(newest / checkpoint_lib.FILE_LIST))
+  os.remove(newest / checkpoint_lib.FILE_LIST)
+  _, meta = checkpoint_lib.Checkpointer(str(workdir)).restore_latest(s.abstract, config)
+  assert meta["step"] == STEPS and json.load(open(newest / checkpoint_lib.FILE_LIST)) == written
+  assert sorted(os.listdir(workdir / "checkpoints")) == before, "nothing else written beside the checkpoints"

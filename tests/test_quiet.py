@@ -1,8 +1,10 @@
 """quiet.py drops orbax's leftovers after a failure and nothing else: the hook that was there gets the rest,
-sys.stderr is never replaced."""
+sys.stderr is never replaced, and nothing is installed before a failure."""
 import asyncio
+import os
 import sys
 import types
+
 
 from ipf_jax import quiet
 
@@ -23,12 +25,31 @@ def closed_loop_callback_error():
   raise AssertionError("a closed loop accepted a callback")
 
 
+def test_the_hook_is_there_while_orbax_works_and_for_good_after_it_failed(monkeypatch, tmp_path):
+  from ipf_jax import checkpoint
+
+  def mine(unraisable):
+    pass
+
+  monkeypatch.setattr(sys, "unraisablehook", mine)
+  checkpoint.Checkpointer(str(tmp_path)).steps()  # no orbax operation: nothing installed
+  assert sys.unraisablehook is mine
+  hook = quiet.arm()
+  assert sys.unraisablehook is hook and hook.previous is mine
+  quiet.disarm()  # it went well
+  assert sys.unraisablehook is mine
+  quiet.arm()
+  quiet.after_orbax_failure()
+  quiet.disarm()  # leftovers of the failure may still come
+  assert isinstance(sys.unraisablehook, quiet._Hook) and sys.unraisablehook.previous is mine
+
+
 def test_the_closed_loop_leftover_is_dropped_and_everything_else_passes(monkeypatch):
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", seen.append)
   stderr = sys.stderr
-  hook = quiet.drop_orbax_leftovers()
-  assert sys.unraisablehook is hook and quiet.drop_orbax_leftovers() is hook  # installed once
+  hook = quiet.after_orbax_failure()
+  assert sys.unraisablehook is hook and quiet.after_orbax_failure() is hook  # installed once
   leftover = unraisable(closed_loop_callback_error())
   try:
     raise RuntimeError("Event loop is closed")  # same words, raised by someone else's code
@@ -41,18 +62,20 @@ def test_the_closed_loop_leftover_is_dropped_and_everything_else_passes(monkeypa
   assert sys.stderr is stderr
 
 
-def test_only_orbax_and_tensorstore_coroutines_are_dropped(monkeypatch):
+def test_only_coroutines_of_orbax_and_tensorstore_files_are_dropped(monkeypatch):
+  import orbax.checkpoint
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", seen.append)
-  quiet.drop_orbax_leftovers()
+  quiet.after_orbax_failure()
 
   async def users_own():
     pass
 
   mine = users_own()
-  # an orbax coroutine, as the hook sees it (its code's file is orbax's)
-  theirs = types.SimpleNamespace(cr_code=types.SimpleNamespace(co_filename="/site-packages/orbax/checkpoint/x.py"))
-  for obj in (mine, theirs):
+  coroutine_of = lambda f: types.SimpleNamespace(cr_code=types.SimpleNamespace(co_filename=f))  # as the hook sees it
+  theirs = coroutine_of(os.path.join(os.path.dirname(orbax.checkpoint.__file__), "_src", "x.py"))
+  lookalike = coroutine_of("/home/me/orbax/checkpoint/my_experiment.py")  # a user's folder of the same name
+  for obj in (mine, theirs, lookalike):
     sys.unraisablehook(unraisable(RuntimeError("coroutine ignored GeneratorExit"), obj=obj))
-  assert [u.object for u in seen] == [mine]
+  assert [u.object for u in seen] == [mine, lookalike]
   mine.close()

@@ -238,6 +238,9 @@ def test_float16_loss_scaling_matches_reference(dp, dd, p, loop, k):
   assert_same_run(s, ref, spmd, refr, **FP16_TOL)
   overflows = [bool(m["overflow"]) for m in spmd]
   scales = [float(m["loss_scale"]) for m in spmd]
+  # An overflow step applies no update: the optimizer's count, and the rate the step reports, stay.
+  counts = np.cumsum([0] + [not o for o in overflows[:-1]])
+  np.testing.assert_allclose([float(m["lr"]) for m in spmd], [float(s.parts.lr_fn(c)) for c in counts], rtol=1e-6)
   if k > 1:  # micro-batches of 2 examples overflow at other scales: the reference decides, as above
     assert overflows[0] and not overflows[-1] and scales[-1] < scales[0]
     return

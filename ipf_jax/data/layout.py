@@ -103,17 +103,25 @@ def prefetch(batches: Iterator[dict], put: Callable[[dict], dict], size: int = 2
         continue
     return False
 
+  close = getattr(batches, "close", lambda: None)  # the source (a tf.data iterator), released by the worker
+
   def worker():
     try:
+      finished = True
       for b in batches:
         if not hand_over(put(b)):
-          return
+          finished = False
+          break
+      close()  # here, not at interpreter shutdown
     except BaseException as e:  # noqa: BLE001 - handed to the consumer
       hand_over(e)
+      try:
+        close()
+      except BaseException:  # noqa: BLE001 - the first error is the one reported
+        pass
       return
-    finally:  # the source (a tf.data iterator) is released here, not at interpreter shutdown
-      getattr(batches, "close", lambda: None)()
-    hand_over(done)
+    if finished:
+      hand_over(done)
 
   thread = threading.Thread(target=worker, name="ipf_jax-prefetch", daemon=True)
   thread.start()
