@@ -37,21 +37,6 @@ def pytest_configure(config):
                                      "LLVM optimisation level (comparisons whose float16 rounding depends on it)")
 
 
-# The test files by measured test time, longest first (.ci/run's --durations, stop 33): with --dist loadfile
-# each file runs whole on one of the two workers, handed out in collection order, so the long ones start
-# first and the short ones fill in at the end instead of one long file running alone at the end.
-LONGEST_FIRST = ("test_step.py", "test_durability.py", "test_benchmarks.py", "test_multihost.py",
-                 "test_checkpoint.py", "test_train.py", "test_fashion_mnist.py", "test_readme.py", "test_filter.py",
-                 "test_tfds.py", "test_examples.py", "test_library.py", "test_eval.py", "test_nnx.py",
-                 "test_devices.py", "test_outputs.py", "test_faults.py", "test_diversity_options.py")
-
-
-def pytest_collection_modifyitems(items):
-  """Files in ``LONGEST_FIRST`` order, then the rest as collected; the tests within a file keep their order."""
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 def pytest_pyfunc_call(pyfuncitem):
   """A ``full_optimisation`` test runs in a child pytest process without ``FAST_COMPILE``."""
   if IN_CHILD or pyfuncitem.get_closest_marker("full_optimisation") is None:
