@@ -199,8 +199,7 @@ class Checkpointer:
     """A save needs about as much space as the newest checkpoint (or the state's bytes for the first one)."""
     steps = self.steps()
     if steps:
-      needed = sum(os.path.getsize(os.path.join(root, f))
-                   for root, _, files in os.walk(str(self.directory / str(steps[-1]))) for f in files)
+      needed = sum(list_files(str(self.directory / str(steps[-1]))).values())
     else:
       needed = sum(x.nbytes for x in jax.tree.leaves(state))
     needed = int(needed * 1.05) + (1 << 20)
