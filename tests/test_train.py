@@ -51,8 +51,8 @@ def test_train_py_ddp_mode_trains_one_model(tmp_path):
 def test_train_py_float16_with_loss_scaling(tmp_path):
   """float16 from a scale that overflows at first: the run backs off, skips those steps without
   calling them failures, and still learns; the scale is in the progress line and TensorBoard."""
-  r = run_train(tmp_path, "--config.dtype=float16", "--config.loss_scale_init=1099511627776.0",
-                "--config.num_train_steps=60", "--config.log_every_steps=30", full_model=True)
+  r = run_train(tmp_path, "--config.dtype=float16", "--config.loss_scale_init=1073741824.0",
+                "--config.num_train_steps=60", "--config.log_every_steps=30")  # the test CNN: 81% measured
   assert r.returncode == 0, r.stdout + r.stderr
   line = next(x for x in r.stdout.splitlines() if "step 60/60" in x)
   overflows = int(line.split("overflows ")[1].split(")")[0])
