@@ -1,4 +1,4 @@
-"""Train a particle population with IPF-DDP (the same command as ``ipf-train``; see ``ipf_jax/cli.py``).
+"""Train a particle population with IPF-DDP (the same command as ``ipf-train``; see ``ipf_jax/runtime/cli.py``).
 
   python train.py --config configs/digits.py --workdir runs/digits
   python train.py --config configs/digits.py --config.num_particles=1   # plain DDP
@@ -10,7 +10,7 @@ config.time_limit_minutes; 130 stopped by SIGINT; 143 stopped by SIGTERM or a
 preemption notice (multi-process runs: any signal). After 75, 130 and 143 a checkpoint is saved: rerun the same
 command to resume.
 """
-from ipf_jax import cli
+from ipf_jax.runtime import cli
 
 if __name__ == "__main__":
   cli.run()

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ipf_jax import builder as build_lib
-from ipf_jax import configuration
-from ipf_jax.data import layout
+from ipf_jax.config import builder as build_lib
+from ipf_jax.config import validation
+from ipf_jax.spmd import layout
 
 
 class Bench:
@@ -22,7 +22,7 @@ class Bench:
 
   def __init__(self, config, image_shape, num_classes, spec_changes=None, exchange=None):
     self.config = config
-    spec = configuration.particle_spec(config)
+    spec = validation.particle_spec(config)
     if spec_changes:  # e.g. {"resampling": False}: isolate one part of the step
       spec = dataclasses.replace(spec, **spec_changes)
     self.image_shape = tuple(image_shape)
@@ -125,7 +125,8 @@ def digits_study(name: str, variants: dict, row: Callable[[dict, dict], dict], s
   import tempfile
 
   from configs import digits
-  from ipf_jax import report, trainer
+  from ipf_jax.reporting import report
+  from ipf_jax.runtime import trainer
 
   logging.getLogger("ipf_jax").disabled = True
   table = {}

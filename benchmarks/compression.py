@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import Bench, print_summary, print_table  # noqa: E402
 from configs import digits  # noqa: E402
-from ipf_jax import trainer  # noqa: E402
+from ipf_jax.runtime import trainer  # noqa: E402
 
 DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8,
                "u64": 8}

@@ -21,7 +21,7 @@ import jax  # noqa: E402
 
 from benchmarks.common import measure, memory_mib, print_summary, print_table  # noqa: E402
 from benchmarks.overhead import Timed, config_for  # noqa: E402
-from ipf_jax import filter as pf  # noqa: E402
+from ipf_jax.population import particle_filter as pf  # noqa: E402
 
 
 def main():

@@ -40,7 +40,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import print_summary  # noqa: E402
 from configs import fashion_mnist  # noqa: E402
-from ipf_jax import report, trainer  # noqa: E402
+from ipf_jax.reporting import report  # noqa: E402
+from ipf_jax.runtime import trainer
 
 # The digits study's most diverse population (BENCHMARKS.md, "Ten seeds on another machine"): correction=0,
 # islands=4, init=independent, jitter_lr=0.3, ess_threshold=0.75. No fused model (independent inits), so its

@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import Bench, print_summary, print_table  # noqa: E402
-from ipf_jax.data import layout, tfds_input  # noqa: E402
+from ipf_jax.data import tfds_input  # noqa: E402
+from ipf_jax.spmd import layout
 
 
 def pipeline_rate(ds, batch: int, n: int, seed: int) -> float:

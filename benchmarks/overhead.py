@@ -102,7 +102,7 @@ def digits_resample_rate(args):
   c = config_for(args, num_train_steps=300)
   t = Timed(c, args)
   data = digits_data.load()
-  from ipf_jax.data import layout
+  from ipf_jax.spmd import layout
   resampled = 0
   for step in range(c.num_train_steps):
     batch = layout.put_train_batch(data.train_batch(step, c.global_batch_size, c.seed), c.num_particles,
@@ -205,6 +205,7 @@ def main():
 
   # 6. TFDS pipeline (tf.data on mock CIFAR-10, 32x32 crops) vs the resnet_tiny step at 32x32.
   import tensorflow_datasets as tfds
+
   from ipf_jax.data import tfds_input
   g = 8 * 16
   with tfds.testing.mock_data(num_examples=4096):

@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import base_overrides, print_summary, study_parser  # noqa: E402
 from configs import digits  # noqa: E402
-from ipf_jax import report, trainer  # noqa: E402
+from ipf_jax.reporting import report  # noqa: E402
+from ipf_jax.runtime import trainer
 
 METHODS = {
     "ddp": dict(mode="ddp", num_particles=1),

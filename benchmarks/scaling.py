@@ -36,8 +36,8 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
 
   from benchmarks.common import Bench, memory_mib
   from benchmarks.compression import collective_bytes
-  from ipf_jax import defaults
-  from ipf_jax import filter as pf
+  from ipf_jax.config import defaults
+  from ipf_jax.population import particle_filter as pf
   config = defaults.get_config()
   config.model, config.num_cpu_devices, config.small_inputs = model, 0, True
   config.num_particles, config.particle_axis_size = dp * per_device, dp

@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import base_overrides, print_summary, study_parser  # noqa: E402
 from configs import digits  # noqa: E402
-from ipf_jax import report, trainer  # noqa: E402
+from ipf_jax.reporting import report  # noqa: E402
+from ipf_jax.runtime import trainer
 
 METHODS = {
     "ddp": dict(mode="ddp", num_particles=1),
@@ -109,7 +110,8 @@ def run_one(method, variant, seed, steps, workdir, base=None):
 
 def main():
   parser = study_parser(__doc__, seeds=5, methods=tuple(METHODS))
-  parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma list of: " + ", ".join(VARIANTS))
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="a comma list of: " + ", ".join(VARIANTS).replace("%", "%%"))  # argparse formats help
   scaled_columns = ", ".join(c for c, _, _ in SCALED_COLUMNS)
   parser.add_argument("--calibration_fraction", type=float, default=0.0,
                       help="hold out this fraction of the train split (before the harder variant's subset and "

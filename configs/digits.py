@@ -6,7 +6,7 @@
 images (fixed 75/25 split). About a minute on a 2-core machine; see
 README.md for the accuracy it reaches.
 """
-from ipf_jax import defaults
+from ipf_jax.config import defaults
 
 
 def get_config():

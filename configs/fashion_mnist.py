@@ -17,7 +17,7 @@ DDP and a deep ensemble at the same compute: BENCHMARKS.md "Fashion-MNIST"
 (TFDS's default folder when empty); the test set's corruptions and the OOD
 sets (sklearn's digits at 28x28, photo patches) are computed here.
 """
-from ipf_jax import defaults
+from ipf_jax.config import defaults
 
 
 def get_config():

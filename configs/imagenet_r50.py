@@ -14,7 +14,7 @@ ECE 0.017. On 8 GPUs each particle trains on its own GPU (mesh (8, 1)) with
 (see BENCHMARKS.md for what was measured). GPUs without bfloat16 (V100, T4):
 add --config.dtype=float16 (float16 compute with dynamic loss scaling).
 """
-from ipf_jax import defaults
+from ipf_jax.config import defaults
 
 
 def get_config():

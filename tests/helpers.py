@@ -7,9 +7,8 @@ import os
 import jax
 import numpy as np
 
-from ipf_jax import builder as build_lib
-from ipf_jax import configuration
-from ipf_jax import defaults
+from ipf_jax.config import builder as build_lib
+from ipf_jax.config import defaults, validation
 from ipf_jax.data import digits
 from ipf_jax.models import create_model
 
@@ -53,7 +52,7 @@ class Setup:
     config.num_devices = dp * dd
     config.particle_axis_size = dp
     config.global_batch_size = config.num_particles * PER_PARTICLE_BATCH
-    assert configuration.validate(config, jax.device_count()) == (dp, dd)
+    assert validation.validate(config, jax.device_count()) == (dp, dd)
     self.config = config
     self.task = task or build_lib.zoo_task(config, 10)
     self.parts = build_lib.build(config, self.task, example or digits_data().example)
@@ -66,13 +65,13 @@ class Setup:
     self.train_step = lambda state, batch: jax.block_until_ready(self.parts.train_step(state, batch))
 
   def put(self, images, labels):
-    from ipf_jax.data import layout
+    from ipf_jax.spmd import layout
     return layout.put_sharded({"image": images, "label": labels}, layout.TRAIN_BATCH_SPEC, self.mesh)
 
   def evaluate(self, state, data, fused_bn=None):
-    from ipf_jax import evaluation
+    from ipf_jax.spmd import eval_step
     bs = self.config.eval_batch_size
-    return evaluation.evaluate(self.task, self.parts.eval_step, state, data.eval_batches(bs), bs, self.mesh, fused_bn,
+    return eval_step.evaluate(self.task, self.parts.eval_step, state, data.eval_batches(bs), bs, self.mesh, fused_bn,
                                jax.block_until_ready)
 
   def host_state(self):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from configs import digits
-from ipf_jax import checkpoint as checkpoint_lib
-from ipf_jax import compatibility
-from ipf_jax import configuration
-from ipf_jax import state as state_lib
+from ipf_jax.config import validation
+from ipf_jax.runtime import checkpoint as checkpoint_lib
+from ipf_jax.runtime import compatibility
+from ipf_jax.spmd import state as state_lib
 from tests import helpers
 
 STEPS = 30
@@ -116,8 +116,8 @@ def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
 def test_impossible_target_names_a_device_count_that_works():
   config = digits.get_config()
   config.num_devices = 3  # 8 particles on 3 devices: (Dp, Dd) = (1, 3) and 128 % 24 != 0
-  with pytest.raises(configuration.ConfigError, match=r"run on num_devices in \[1, 2, 4, 8\]"):
-    configuration.validate(config, 8)
+  with pytest.raises(validation.ConfigError, match=r"run on num_devices in \[1, 2, 4, 8\]"):
+    validation.validate(config, 8)
 
 
 def test_float16_loss_scale_survives_a_restart(tmp_path):

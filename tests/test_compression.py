@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax import compression
-from ipf_jax import mesh as mesh_lib
+from ipf_jax.population import compression
+from ipf_jax.spmd import mesh as mesh_lib
 from tests import helpers
 from tests.test_step import run_both
 

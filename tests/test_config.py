@@ -1,10 +1,9 @@
 """Configs that cannot work stop before compiling, naming the field and a fix."""
 import pytest
 
-from configs import default
-from configs import digits
-from ipf_jax import configuration
-from ipf_jax.configuration import ConfigError
+from configs import default, digits
+from ipf_jax.config import validation
+from ipf_jax.errors import ConfigError
 
 
 def cfg(**kw):
@@ -88,7 +87,7 @@ def cfg(**kw):
 ])
 def test_bad_config_names_field_and_fix(overrides, devices, field, hint):
   with pytest.raises(ConfigError) as e:
-    configuration.validate(cfg(**overrides), devices)
+    validation.validate(cfg(**overrides), devices)
   assert e.value.field == field
   assert str(e.value).startswith(f"config.{field}:")
   assert hint in str(e.value)
@@ -116,14 +115,14 @@ def test_one_global_batch_must_fit_in_the_training_set(overrides, field, hint):
   from ipf_jax.data import create_dataset
   config = cfg(**overrides)
   with pytest.raises(ConfigError) as e:
-    configuration.validate_data(config, create_dataset(config).train_size, 8)
+    validation.validate_data(config, create_dataset(config).train_size, 8)
   assert e.value.field == field and hint in str(e.value)
 
 
 def test_every_default_config_is_valid():
   from configs import cifar10_r18, cifar100_r18, imagenet_r50
   for module in (default, digits, imagenet_r50, cifar10_r18, cifar100_r18):
-    configuration.validate(module.get_config(), 8)
+    validation.validate(module.get_config(), 8)
 
 
 def test_config_types_are_locked_by_ml_collections():
@@ -135,17 +134,17 @@ def test_config_types_are_locked_by_ml_collections():
 @pytest.mark.parametrize("p,devices,expect", [(8, 8, (8, 1)), (1, 8, (1, 8)), (4, 8, (4, 2)), (16, 8, (8, 1)),
                                               (6, 4, (2, 2)), (2, 1, (1, 1))])
 def test_mesh_shape(p, devices, expect):
-  assert configuration.validate(cfg(num_particles=p, global_batch_size=48 * 8), devices) == expect
+  assert validation.validate(cfg(num_particles=p, global_batch_size=48 * 8), devices) == expect
 
 
 def test_modes_resolve_to_one_code_path():
-  ens = configuration.particle_spec(cfg(mode="ensemble", temperature=3.0, correction=0.5))
+  ens = validation.particle_spec(cfg(mode="ensemble", temperature=3.0, correction=0.5))
   assert (ens.temperature, ens.correction, ens.resampling) == (0.0, 0.0, False)
-  ddp = configuration.particle_spec(cfg(mode="ddp", num_particles=1))
+  ddp = validation.particle_spec(cfg(mode="ddp", num_particles=1))
   assert ddp.num_particles == 1 and not ddp.resampling
-  ipf = configuration.particle_spec(cfg(mode="ipf", temperature=2.0, correction=0.25))
+  ipf = validation.particle_spec(cfg(mode="ipf", temperature=2.0, correction=0.25))
   assert (ipf.temperature, ipf.correction, ipf.resampling) == (2.0, 0.25, True)
   assert default.get_config().mode == "ipf"
   assert ipf.shared_init and not ens.shared_init
-  assert configuration.particle_spec(cfg(mode="ensemble", init="shared")).shared_init
-  assert not configuration.particle_spec(cfg(mode="ipf", init="independent")).shared_init
+  assert validation.particle_spec(cfg(mode="ensemble", init="shared")).shared_init
+  assert not validation.particle_spec(cfg(mode="ipf", init="independent")).shared_init

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ipf_jax.data import layout
+from ipf_jax.spmd import layout
 from tests import helpers
 
 

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ipf_jax import configuration
-from ipf_jax import filter as pf
-from ipf_jax import optim
-from ipf_jax import step as step_lib
+from ipf_jax.config import validation
+from ipf_jax.population import particle_filter as pf
+from ipf_jax.spmd import optim
+from ipf_jax.spmd import step as step_lib
 from tests import helpers
 
 
@@ -68,7 +68,7 @@ def test_step_with_ess_target_reweighs_with_the_adaptive_temperature(dp, dd):
 
 def test_jitter_scaled_by_the_learning_rate():
   config = helpers.tiny_config(jitter=0.01, jitter_lr=0.5, mode="ipf", num_particles=4)
-  spec = configuration.particle_spec(config)
+  spec = validation.particle_spec(config)
   lr_fn = optim.create_learning_rate_fn(config, 20, 2)
   for step in (0, 1, 10, 19):
     np.testing.assert_allclose(float(step_lib.jitter_sigma(spec, lr_fn, step)), 0.01 + 0.5 * float(lr_fn(step)))
@@ -92,9 +92,9 @@ def test_seed_recipe_fields():
   config = helpers.tiny_config(lr_scaling="seed", base_lr=0.1, num_particles=4, num_devices=2)
   lr_fn = optim.create_learning_rate_fn(config, 20, 0)
   np.testing.assert_allclose(float(lr_fn(0)), 0.1 * np.sqrt(2 * 4), rtol=1e-6)
-  configuration.validate(helpers.tiny_config(forgetting=0.0, num_particles=8), 8)  # the seed's rule: allowed
-  with pytest.raises(configuration.ConfigError, match="config.ess_target: must be in"):
-    configuration.validate(helpers.tiny_config(ess_target=1.0, num_particles=8), 8)
+  validation.validate(helpers.tiny_config(forgetting=0.0, num_particles=8), 8)  # the seed's rule: allowed
+  with pytest.raises(validation.ConfigError, match="config.ess_target: must be in"):
+    validation.validate(helpers.tiny_config(ess_target=1.0, num_particles=8), 8)
 
 
 @pytest.mark.parametrize("dp,dd", [(8, 1), (4, 2)])

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from ipf_jax import report
+from ipf_jax.reporting import report
 from tests import helpers
 
 STEPS = 30
@@ -92,7 +92,7 @@ def small_config(**kw):
 
 @pytest.fixture(scope="module")
 def in_process_reference(tmp_path_factory):
-  from ipf_jax import trainer
+  from ipf_jax.runtime import trainer
   workdir = tmp_path_factory.mktemp("in_process")
   return workdir, trainer.train_and_evaluate(small_config(), str(workdir))
 
@@ -102,8 +102,7 @@ def test_signal_during_compilation_evaluation_and_final_evaluation(in_process_re
   the periodic evaluation: it is cut short, the next step is saved, the run stops. A signal during the
   final evaluation (BN re-estimation): the last checkpoint is already committed; a rerun only
   evaluates. Each ends where the uninterrupted run ends."""
-  from ipf_jax import preemption
-  from ipf_jax import trainer
+  from ipf_jax.runtime import preemption, trainer
   reference_dir, reference = in_process_reference
 
   def signal_first(step, state, batch):
@@ -153,8 +152,7 @@ def test_checkpoints_off_never_start_over_on_a_run(uninterrupted, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted[0], workdir)
   before = listing(workdir)
-  from ipf_jax import checkpoint
-  from ipf_jax import trainer
+  from ipf_jax.runtime import checkpoint, trainer
   with pytest.raises(checkpoint.CheckpointError, match="checkpoint_every_steps=-1 cannot resume it"):
     trainer.train_and_evaluate(small_config(checkpoint_every_steps=-1), str(workdir))
   assert listing(workdir) == before
@@ -163,8 +161,8 @@ def test_checkpoints_off_never_start_over_on_a_run(uninterrupted, tmp_path):
 def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
   """The space check before a save: nothing is written, the error names the path and the free space."""
   import collections
-  from ipf_jax import checkpoint
-  from ipf_jax import trainer
+
+  from ipf_jax.runtime import checkpoint, trainer
   config = small_config(num_train_steps=3, checkpoint_every_steps=2)
   usage = collections.namedtuple("usage", "total used free")
   monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10 << 20, 10 << 20, 1 << 20))
@@ -176,8 +174,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
 
 
 def test_time_limit_and_wall_clock_saves(tmp_path):
-  from ipf_jax import preemption
-  from ipf_jax import trainer
+  from ipf_jax.runtime import preemption, trainer
   config = small_config(num_train_steps=40, checkpoint_every_steps=0)
   config.checkpoint_every_minutes = 1e-9  # every log step is due
   config.time_limit_minutes = 1e-9
@@ -209,9 +206,7 @@ def test_config_change_stops_naming_the_field_and_touches_nothing(uninterrupted,
 def test_the_fields_that_decide_a_shape_are_derived_from_the_state(tmp_path):
   """small_inputs changes a ResNet stem's kernel but was on no list: the derivation finds it."""
   from configs import digits
-  from ipf_jax import checkpoint
-  from ipf_jax import compatibility
-  from ipf_jax import trainer
+  from ipf_jax.runtime import checkpoint, compatibility, trainer
   config = digits.get_config()
   config.model = "resnet_tiny"
   run = trainer._Run(config, str(tmp_path))
@@ -256,7 +251,7 @@ def test_second_run_on_a_workdir_is_refused_naming_the_holder(tmp_path):
   finally:
     first.signal(signal.SIGKILL)
     first.finish()
-  from ipf_jax import workdir as workdir_lib
+  from ipf_jax.runtime import workdir as workdir_lib
   lock = workdir_lib.Lock(str(tmp_path))  # the kernel released the killed run's lock: the next run may start
   lock.acquire()
   lock.release()
@@ -274,7 +269,8 @@ def test_report_reads_a_killed_runs_truncated_events(uninterrupted, tmp_path):
   cut = report.read_scalars(str(workdir))
   assert len(cut["train/loss"][0]) >= STEPS - 1 and np.array_equal(cut["train/loss"][1],
                                                                     full["train/loss"][1][:len(cut["train/loss"][0])])
-  r = subprocess.run([os.sys.executable, "-m", "ipf_jax.report", str(workdir)], cwd=helpers.ROOT, capture_output=True,
+  r = subprocess.run([os.sys.executable, "-m", "ipf_jax.reporting", str(workdir)], cwd=helpers.ROOT,
+                     capture_output=True,
                      text=True)
   assert r.returncode == 0 and len(os.listdir(workdir / "report")) == 5, r.stderr  # + calibration.png
 
@@ -283,7 +279,7 @@ def test_readers_create_nothing_and_replace_nothing(uninterrupted, tmp_path):
   missing = tmp_path / "typo"
   r = helpers.run_train_py(missing, "--eval_only")
   assert r.returncode == 1 and "does not exist" in r.stderr and not missing.exists()
-  r = subprocess.run([os.sys.executable, "-m", "ipf_jax.report", str(missing)], cwd=helpers.ROOT,
+  r = subprocess.run([os.sys.executable, "-m", "ipf_jax.reporting", str(missing)], cwd=helpers.ROOT,
                      capture_output=True, text=True)
   assert r.returncode != 0 and "does not exist" in r.stderr and not missing.exists()
 
@@ -357,7 +353,8 @@ def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
 @pytest.mark.parametrize("flags,message", [
     (["--config.temperature=inf"], "error: config.temperature: must be a finite number, got inf"),
     (["--config.seed=-1"], "error: config.seed: must be an integer in [0, 2**32), got -1"),
-    (["--config.foo=1"], "error: --config.foo=1: the config has no field 'foo'; ipf_jax/defaults.py lists every"),
+    (["--config.foo=1"], "error: --config.foo=1: the config has no field 'foo'; ipf_jax/config/defaults.py lists "
+                         "every"),
     (["--config.temprature=3"], "error: --config.temprature=3: the config has no field 'temprature'; did you mean "
                                 "--config.temperature?"),
     (["--config.train_fraction=0.001", "--config.global_batch_size=2048"],
@@ -370,7 +367,7 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, flags, message):
 
 
 def test_divergence_without_checkpoint_says_so(tmp_path):
-  from ipf_jax import trainer
+  from ipf_jax.runtime import trainer
   config = small_config(num_train_steps=6, checkpoint_every_steps=0)
 
   def hook(step, state, batch):

@@ -124,8 +124,8 @@ def test_processes_with_parts_of_different_lengths_agree_on_the_batches(monkeypa
   can pad) flags are appended to this one's."""
   from jax.experimental import multihost_utils
 
-  from ipf_jax import evaluation
   from ipf_jax.data.errors import DataError
+  from ipf_jax.spmd import eval_step
 
   def with_peer(peer_batches):
     left = [peer_batches]
@@ -138,12 +138,12 @@ def test_processes_with_parts_of_different_lengths_agree_on_the_batches(monkeypa
 
   mine = [{"x": np.arange(4.0), "mask": np.ones(4, np.float32)}]
   monkeypatch.setattr(multihost_utils, "process_allgather", with_peer(3))
-  out = list(evaluation._agreed(iter(mine), across_processes=True))
+  out = list(eval_step._agreed(iter(mine), across_processes=True))
   assert len(out) == 3 and out[0] is mine[0]
   for b in out[1:]:
     assert not b["mask"].any() and b["x"].shape == (4,)  # padding: same shapes, nothing counted
   monkeypatch.setattr(multihost_utils, "process_allgather", with_peer(1))
-  assert len(list(evaluation._agreed(iter(mine * 2), across_processes=True))) == 2  # mine are longer
+  assert len(list(eval_step._agreed(iter(mine * 2), across_processes=True))) == 2  # mine are longer
   monkeypatch.setattr(multihost_utils, "process_allgather", with_peer(2))
   with pytest.raises(DataError, match=r"processes \[0\] are empty"):
-    list(evaluation._agreed(iter([]), across_processes=True))
+    list(eval_step._agreed(iter([]), across_processes=True))

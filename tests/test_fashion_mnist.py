@@ -12,9 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from ipf_jax.data import prepare
-from ipf_jax.data import shifts
-from ipf_jax.data import tfds_input
+from ipf_jax.data import prepare, shifts, tfds_input
 from tests import helpers
 
 SOURCE = prepare.DEBIAN_SOURCE["fashion_mnist"]
@@ -120,8 +118,9 @@ def test_train_batches_on_the_real_files_are_augmented_deterministic_and_resumab
 
 
 def test_shifted_and_ood_sets_against_numpy(data_dir):
-  from configs import fashion_mnist
   import tensorflow_datasets as tfds
+
+  from configs import fashion_mnist
   config = fashion_mnist.get_config()
   config.data_dir, config.eval_shifts, config.shift_examples = data_dir, "contrast,translation", 64
   config.ood_dataset = "digits,photos"
@@ -207,6 +206,7 @@ def test_each_process_reads_its_part_of_a_shifted_set(data_dir, monkeypatch):
   """Two processes: each reads a near-equal part of a corrupted set, and the parts are the set one
   process reads (the corruption, drawn per image, is of the whole set on every process)."""
   import jax
+
   from configs import fashion_mnist
   config = fashion_mnist.get_config()
   config.data_dir, config.eval_shifts, config.shift_examples = data_dir, "gaussian_noise", 41

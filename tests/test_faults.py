@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from configs import digits
-from ipf_jax import trainer
-from ipf_jax import workdir as workdir_lib
+from ipf_jax.runtime import trainer
+from ipf_jax.runtime import workdir as workdir_lib
 from tests import helpers
 
 

@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax import filter as pf
-from ipf_jax import mesh as mesh_lib
+from ipf_jax.population import particle_filter as pf
+from ipf_jax.spmd import mesh as mesh_lib
 from tests import reference
 
 MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]

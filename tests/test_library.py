@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ipf_jax
-from ipf_jax import preemption
+from ipf_jax.runtime import preemption
 from tests import helpers
 
 
@@ -38,7 +38,7 @@ def test_regression_ensembles_are_gaussian_mixtures(dp, dd, p):
   task = ipf_jax.gaussian_regression(GaussianHead())
   train, test = regression_data(p * helpers.PER_PARTICLE_BATCH * 3), regression_data(70, seed=1)
   s = helpers.Setup(config, dp, dd, task=task, example={k: v[:1] for k, v in train.items()})
-  from ipf_jax.data import layout
+  from ipf_jax.spmd import layout
   for k in range(3):
     shard = slice(k * p * helpers.PER_PARTICLE_BATCH, (k + 1) * p * helpers.PER_PARTICLE_BATCH)
     s.state, _ = s.train_step(s.state, layout.put_train_batch({f: v[shard] for f, v in train.items()}, p, s.mesh))
@@ -132,8 +132,9 @@ def test_any_module_loss_and_label_shape_with_dropout_resumes_identically(tmp_pa
 
 
 def test_dropout_keys_differ_between_particles_shards_and_steps():
-  from ipf_jax.particles import particle_keys
   from jax.sharding import PartitionSpec as P
+
+  from ipf_jax.spmd.particles import particle_keys
   mesh = jax.make_mesh((4, 2), ("particle", "data"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   keys_at = jax.jit(jax.shard_map(lambda k: particle_keys(k, 2)[None], mesh=mesh, in_specs=P(),
                                   out_specs=P(("particle", "data"))))
@@ -152,7 +153,7 @@ def test_data_from_your_own_functions(tmp_path):
                       eval=lambda: (dict(image=d.test["image"][i:i + 100], label=d.test["label"][i:i + 100])
                                     for i in range(0, source.test_size, 100)),
                       example=source.example, name="digits", test_size=source.test_size)
-  from ipf_jax import builder
+  from ipf_jax.config import builder
   task = builder.zoo_task(library_config(), 10)
   results = ipf_jax.train_and_evaluate(library_config(num_train_steps=12), str(tmp_path), task=task, data=data)
   reference = ipf_jax.evaluate_checkpoint(library_config(num_train_steps=12), str(tmp_path), task=task,
@@ -162,7 +163,7 @@ def test_data_from_your_own_functions(tmp_path):
 
 
 def test_your_data_ending_early_or_without_epochs_is_one_clear_error(tmp_path):
-  from ipf_jax import configuration
+  from ipf_jax.config import validation
   from ipf_jax.data.errors import DataError
   d = helpers.digits_data()
   source = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
@@ -171,15 +172,14 @@ def test_your_data_ending_early_or_without_epochs_is_one_clear_error(tmp_path):
                        name="three batches")
   with pytest.raises(DataError, match="the training data 'three batches' ended at step 3"):
     ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path / "a"), data=short)
-  with pytest.raises(configuration.ConfigError, match="num_epochs: the data 'three batches' does not know its epoch"):
+  with pytest.raises(validation.ConfigError, match="num_epochs: the data 'three batches' does not know its epoch"):
     ipf_jax.train_and_evaluate(library_config(num_epochs=2.0), str(tmp_path / "b"), data=short)
   with pytest.raises(TypeError, match="train and eval are functions"):
     ipf_jax.Data(train=[source.example], eval=lambda: [], example=source.example)
 
 
 def test_resuming_on_other_data_is_refused():
-  from ipf_jax import checkpoint
-  from ipf_jax import compatibility
+  from ipf_jax.runtime import checkpoint, compatibility
   sig, config = {"params/w": ((2,), "float32")}, ipf_jax.default_config()
   with pytest.raises(checkpoint.CheckpointError, match="was trained on 'digits', this run reads 'my data'"):
     compatibility.check_compatible(sig, {}, sig, config, "ckpt", saved_data="digits", data="my data")
@@ -190,9 +190,9 @@ def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
   """A workdir trained with the built-in SGD, resumed with AdamW from library code: refused, naming both
   optimizers (not "another version of ipf_jax"); one of the same state kind resumes, with a warning."""
   import optax
-  from ipf_jax import checkpoint
-  from ipf_jax import optim
-  from ipf_jax import trainer
+
+  from ipf_jax.runtime import checkpoint, trainer
+  from ipf_jax.spmd import optim
   d = helpers.digits_data()
   data = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
   ipf_jax.train_and_evaluate(library_config(num_train_steps=3), str(tmp_path), data=data)
@@ -219,8 +219,7 @@ def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
 
 
 def test_an_old_checkpoint_whose_optimizer_state_differs_says_so():
-  from ipf_jax import checkpoint
-  from ipf_jax import compatibility
+  from ipf_jax.runtime import checkpoint, compatibility
   saved = {"params/w": ((2,), "float32"), "opt_state/0/trace/w": ((2,), "float32")}
   now = {"params/w": ((2,), "float32"), "opt_state/0/mu/w": ((2,), "float32"), "opt_state/0/nu/w": ((2,), "float32")}
   here = {"name": "adamw", "state": "ScaleByAdamState, ScaleByScheduleState", "builtin": False}

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 import ipf_jax
-from ipf_jax import configuration
-from ipf_jax.mesh import DATA
+from ipf_jax.config import validation
+from ipf_jax.spmd.mesh import DATA
 from tests import helpers
 
 HIDDEN = 16
@@ -96,7 +96,7 @@ def test_a_constructor_gives_each_particle_its_own_init_and_an_instance_is_refus
                     task=ipf_jax.classification(lambda rngs: NNXNet(rngs)))
   kernel = np.asarray(s.state.params["hidden"]["kernel"])
   assert all(np.abs(kernel[i] - kernel[j]).max() > 1e-3 for i in range(4) for j in range(i))
-  with pytest.raises(configuration.ConfigError, match=r"config.init: .*nnx.Module instance.*lambda rngs"):
+  with pytest.raises(validation.ConfigError, match=r"config.init: .*nnx.Module instance.*lambda rngs"):
     helpers.Setup(helpers.tiny_config(num_particles=4, mode="ensemble"), 4, 1,
                   task=ipf_jax.classification(NNXNet(nnx.Rngs(0))))
 

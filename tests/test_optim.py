@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ipf_jax import optim
+from ipf_jax.spmd import optim
 from tests import helpers
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ipf_jax
-from ipf_jax import report
+from ipf_jax.reporting import report
 from tests import helpers
 
 STEPS = 20
@@ -92,7 +92,7 @@ def test_a_rerun_that_evaluates_less_keeps_the_evaluation_it_replaces(run, tmp_p
 def test_keep_narrowed_against_the_files_it_finds(tmp_path):
   """Which replacements keep the old file, and under which names: a narrower evaluation or a file that is not
   one keeps it, a wider evaluation or no file keeps nothing."""
-  from ipf_jax import run_eval
+  from ipf_jax.runtime import run_eval
   wide = {"step": 20, "ensemble": {}, "shifts": {"contrast_1": {}, "blur_1": {}}, "ood": {}, "ood_dataset": "photos"}
   path = tmp_path / "eval_results.step20.json"
   path.write_text(json.dumps(wide))

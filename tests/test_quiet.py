@@ -5,8 +5,7 @@ import os
 import sys
 import types
 
-
-from ipf_jax import quiet
+from ipf_jax.runtime import quiet
 
 
 def unraisable(exc, obj=None):
@@ -26,7 +25,7 @@ def closed_loop_callback_error():
 
 
 def test_the_hook_is_there_while_orbax_works_and_for_good_after_it_failed(monkeypatch, tmp_path):
-  from ipf_jax import checkpoint
+  from ipf_jax.runtime import checkpoint
 
   def mine(unraisable):
     pass

@@ -4,10 +4,10 @@ that stops working, or a new one nobody checked, fails here).
 In the README's order, from a fresh directory holding the checkout's ``configs/`` and an empty ``runs/``:
 - ``python train.py ...``: train.py's own flag parser (``cli.parse_flags`` on fresh flags), then every check
   a run makes before training (``--dry_run``: config, devices, data, workdir; nothing compiled). A workdir
-  that a later command reads (``--eval_only``, ``ipf_jax.report``, ``tensorboard``) is trained for real, for
-  a few steps. Commands with the placeholder ``/path/to/tfds`` must fail only on the unprepared TFDS data.
+  that a later command reads (``--eval_only``, ``python -m ipf_jax.reporting``, ``tensorboard``) is trained for
+  real, for a few steps. Commands with the placeholder ``/path/to/tfds`` must fail only on the unprepared TFDS data.
 - The Modes table: each row's flags as a ``python train.py`` command (default config).
-- ``python -m ipf_jax.report``: run; ``tensorboard --logdir``: the run's event files exist;
+- ``python -m ipf_jax.reporting``: run; ``tensorboard --logdir``: the run's event files exist;
   ``examples/*.py``: their argument parsers take the flags (tests/test_examples.py runs them);
   ``python -m pydoc``/``benchmarks.*``: the module imports; ``pip install -r FILE``: the file exists;
   ``python -m pytest ...``: the command ``.ci/run`` runs.
@@ -27,9 +27,8 @@ import sys
 import pytest
 from absl import flags
 
-from ipf_jax import cli
-from ipf_jax import trainer
 from ipf_jax.data.errors import DataError
+from ipf_jax.runtime import cli, trainer
 from tests import helpers
 
 README = os.path.join(helpers.ROOT, "README.md")
@@ -83,7 +82,7 @@ def run_train_command(tokens, real: bool, small: bool):
 def _workdir(tokens):
   if tokens[:2] == ["python", "train.py"]:
     return train_flags(tokens).workdir
-  reads = tokens[:3] == ["python", "-m", "ipf_jax.report"] and len(tokens) > 3 or tokens[:2] == ["tensorboard",
+  reads = tokens[:3] == ["python", "-m", "ipf_jax.reporting"] and len(tokens) > 3 or tokens[:2] == ["tensorboard",
                                                                                                   "--logdir"]
   return tokens[-1] if reads else None
 
@@ -175,8 +174,8 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
           assert 0 <= result["ensemble"]["accuracy"] <= 1, what  # 4 steps: it ran, not how well
         else:
           assert result.startswith("dry run") or PLACEHOLDER in " ".join(tokens), (what, result)
-      elif tokens[:3] == ["python", "-m", "ipf_jax.report"] and len(tokens) > 3:
-        from ipf_jax import report
+      elif tokens[:3] == ["python", "-m", "ipf_jax.reporting"] and len(tokens) > 3:
+        from ipf_jax.reporting import report
         assert tokens[3] in trained, what
         report.main(tokens[3:])
         assert os.path.isfile(os.path.join(tokens[3], "report", "weights.png")), what

@@ -5,7 +5,6 @@ import sys
 
 import numpy as np
 import pytest
-
 import tensorflow_datasets as tfds
 
 from ipf_jax.data import tfds_input
@@ -72,8 +71,8 @@ def test_resume_skips_records_without_decoding_them(monkeypatch):
 def test_eval_counts_every_example_once(name):
   with tfds.testing.mock_data(num_examples=23):
     ds = tfds_input.TFDSDataset(name, None, image_size=16, small_images=name != "imagenet2012")
-    from ipf_jax import evaluation
-    batches = list(evaluation.padded(ds.eval_batches(10), 10))  # what the evaluation feeds the eval step
+    from ipf_jax.spmd import eval_step
+    batches = list(eval_step.padded(ds.eval_batches(10), 10))  # what the evaluation feeds the eval step
     assert [len(b["label"]) for b in batches] == [10, 10, 10]
     assert sum(float(b["mask"].sum()) for b in batches) == ds.test_size == 23
     assert np.all(batches[-1]["mask"][3:] == 0) and np.all(batches[-1]["image"][3:] == 0)

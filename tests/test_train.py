@@ -34,7 +34,7 @@ def test_train_py_digits_smoke(tmp_path):
   for line in ("diversity of the population: disagreement", "temperature scaling, fused model: T =",
                "contrast  ", "ensemble ECE at T", "OOD AUROC (photos), ensemble (weighted): max prob"):
     assert line in out, line
-  from ipf_jax import report
+  from ipf_jax.reporting import report
   pictures = [os.path.basename(p) for p in report.write_report(str(tmp_path), str(tmp_path / "report"))]
   assert pictures[-2:] == ["calibration.png", "shifts.png"]
 
@@ -60,7 +60,7 @@ def test_train_py_float16_with_loss_scaling(tmp_path):
   assert 1 <= overflows < 40 and scale < 2.0 ** 40 and "skipped" not in line
   results = json.load(open(tmp_path / "eval_results.json"))
   assert results["ensemble"]["accuracy"] > 0.7, results["ensemble"]
-  from ipf_jax import report
+  from ipf_jax.reporting import report
   scalars = report.read_scalars(str(tmp_path))
   steps, overflow = scalars["train/overflow"]
   assert len(steps) == 60 and overflow.sum() == overflows and len(scalars["train/loss_scale"][0]) == 60
@@ -88,9 +88,10 @@ def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path):
   """``--dry_run`` (in process): the plan for a new workdir, which it does not create; ``--eval_only`` without a
   checkpoint and a workdir another run holds are the errors the real commands give."""
   import pytest
+
   from configs import digits
-  from ipf_jax import checkpoint, trainer
-  from ipf_jax import workdir as workdir_lib
+  from ipf_jax.runtime import checkpoint, trainer
+  from ipf_jax.runtime import workdir as workdir_lib
   from tests import helpers
   config = digits.get_config()
   config.cnn_features = helpers.TEST_FEATURES

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ipf_jax import evaluation
-from ipf_jax import metrics
-from ipf_jax.configuration import ConfigError
 from ipf_jax.data import shifts
 from ipf_jax.data.errors import DataError
+from ipf_jax.errors import ConfigError
+from ipf_jax.evaluation import metrics
+from ipf_jax.evaluation import results as results_lib
+from ipf_jax.reporting import tables
 from tests import helpers
 
 
@@ -119,12 +120,12 @@ def test_temperature_scaled_picks_the_calibration_minimum():
   test = {k: {"nll": 1.0, "ece": 0.1, "brier": 0.2, **{f"{m}_by_temperature": np.arange(len(t)) * 1.0 + i
                                                       for i, m in enumerate(("nll", "ece", "brier"))}}
           for k in ("ensemble", "fused")}
-  out = evaluation.temperature_scaled(calibration, test)
+  out = results_lib.temperature_scaled(calibration, test)
   i2, i05 = int(np.argmin(np.abs(t - 2.0))), int(np.argmin(np.abs(t - 0.5)))
   assert out["ensemble"] == {"temperature": 2.0, "nll": i2, "ece": i2 + 1, "brier": i2 + 2, "at_grid_edge": False}
   assert out["fused"]["temperature"] == 0.5 and out["fused"]["nll"] == i05
   calibration["fused"]["nll_by_temperature"] = curve(20.0)  # beyond the grid: its edge, said so
-  assert evaluation.temperature_scaled(calibration, test)["fused"]["at_grid_edge"]
+  assert results_lib.temperature_scaled(calibration, test)["fused"]["at_grid_edge"]
 
 
 def test_digits_corruptions_are_deterministic_and_grow_with_severity():
@@ -157,6 +158,7 @@ def test_shift_and_ood_config_errors_name_the_field():
 
 def test_tfds_shift_and_ood_sets_on_mock_data(tmp_path):
   import tensorflow_datasets as tfds
+
   from ipf_jax.data import tfds_input
   config = helpers.tiny_config(dataset="cifar10", eval_shifts="contrast,cifar10_1", ood_dataset="svhn_cropped")
   with tfds.testing.mock_data(num_examples=12):
@@ -179,6 +181,7 @@ def test_imagenet_shift_sets_on_mock_data():
   and -R (their test splits), read and preprocessed like imagenet2012's eval split. (The mock has no split
   metadata, so it cannot tell a real split name from a wrong one: the table below is what pins them.)"""
   import tensorflow_datasets as tfds
+
   from ipf_jax.data import tfds_input
   config = helpers.tiny_config(dataset="imagenet2012", eval_shifts="gaussian_noise,imagenet_v2,imagenet_a,imagenet_r")
   with tfds.testing.mock_data(num_examples=6):
@@ -207,7 +210,7 @@ def test_temperature_fitted_on_overconfident_predictions_undoes_it():
   sharp = np.exp(2 * z) / np.exp(2 * z).sum(-1, keepdims=True)
   results = {"ensemble": metrics.finalize(metrics.classification_sums(jnp.asarray(sharp, jnp.float32),
                                                                       jnp.asarray(labels), jnp.ones(len(labels))))}
-  fitted = evaluation.temperature_scaled(results, results)["ensemble"]
+  fitted = results_lib.temperature_scaled(results, results)["ensemble"]
   assert 2 / 1.2 < fitted["temperature"] < 2 * 1.2 and not fitted["at_grid_edge"]
   assert fitted["nll"] < results["ensemble"]["nll"] and fitted["ece"] < results["ensemble"]["ece"]
 
@@ -233,12 +236,12 @@ def test_a_shifted_set_at_the_temperature_fitted_on_the_calibration_set():
     return {**out, "weights": np.ones(2) / 2}, probs, labels
 
   calibration, _, _ = results(rng.normal(size=(3000, 5)), {"ensemble": 2.0, "fused": 0.5})  # T near 2 and 0.5
-  fitted = evaluation.temperature_scaled(calibration, calibration)
+  fitted = results_lib.temperature_scaled(calibration, calibration)
   assert 2 / 1.2 < fitted["ensemble"]["temperature"] < 2 * 1.2 and 0.5 / 1.2 < fitted["fused"]["temperature"] < 0.6
   footer = {}
   for severity, spread in ((1, 0.5), (2, 0.3)):  # a shift: less certain inputs, the models sharper still
     shifted, probs, labels = results(rng.normal(size=(2000, 5)) * spread, {"ensemble": 3.0, "fused": 1.5})
-    out = evaluation.brief(shifted, calibration)
+    out = results_lib.brief(shifted, calibration)
     for row in ("ensemble", "fused"):
       t = out["temperature_scaled"][row]
       assert t["temperature"] == fitted[row]["temperature"]
@@ -249,9 +252,9 @@ def test_a_shifted_set_at_the_temperature_fitted_on_the_calibration_set():
       np.testing.assert_allclose(out[row]["ece"], _numpy_ece(probs[row], labels), atol=1e-5)
       footer.setdefault(row, []).append(t["ece"])
     assert out["temperature_scaled"]["ensemble"]["ece"] < out["ensemble"]["ece"]
-    assert "ece_by_temperature" not in out["ensemble"] and "temperature_scaled" not in evaluation.brief(shifted)
+    assert "ece_by_temperature" not in out["ensemble"] and "temperature_scaled" not in results_lib.brief(shifted)
     footer.setdefault("sets", {})[f"contrast_{severity}"] = out
-  text = evaluation.format_extras({"weights": np.ones(2) / 2, "shifts": footer["sets"]},
+  text = tables.format_extras({"weights": np.ones(2) / 2, "shifts": footer["sets"]},
                                   (("accuracy", "accuracy", "{:.4f}"), ("ECE", "ece", "{:.4f}")))
   assert "ensemble accuracy  ensemble ECE  ensemble ECE at T  fused accuracy  fused ECE  fused ECE at T" in text
   cells = text.splitlines()[-1].split()
@@ -287,22 +290,22 @@ def test_extras_for_regression_and_sets_without_severities():
              "shifts": {"gaussian_noise_1": {"ensemble": reg, "fused": reg}, "cifar10_1": {"ensemble": reg,
                                                                                             "fused": reg}}}
   columns = (("NLL", "nll", "{:.4f}"), ("RMSE", "rmse", "{:.4f}"))
-  text = evaluation.format_extras(results, columns)
+  text = tables.format_extras(results, columns)
   assert "ensemble NLL  ensemble RMSE  fused NLL  fused RMSE" in text
   assert [line.split()[0] for line in text.splitlines()[1:]] == ["gaussian_noise", "cifar10_1"]
   assert shifts.family("cifar10_1") == ("cifar10_1", 0) and shifts.family("contrast_3") == ("contrast", 3)
 
 
 def test_calibration_is_held_out_before_label_noise_and_names_the_data(tmp_path):
-  from ipf_jax import trainer
   from ipf_jax.data import create_dataset
+  from ipf_jax.runtime import trainer
   config = helpers.tiny_config(calibration_fraction=0.1, label_noise=0.5)
   noisy = create_dataset(config)
   clean = helpers.digits_data().holdout(0.1)
   np.testing.assert_array_equal(noisy.calibration.test["label"], clean.calibration.test["label"])
   assert noisy.train_size == clean.train_size == 1212 and (noisy.train["label"] != clean.train["label"]).mean() > 0.4
   assert noisy.name == "digits (0.1 held out)" != helpers.digits_data().name  # a checkpoint of other data: refused
-  from ipf_jax import compatibility  # ... naming the field to put back
+  from ipf_jax.runtime import compatibility  # ... naming the field to put back
   with pytest.raises(compatibility.CheckpointError, match=r"this run reads 'digits' \(config.calibration_fraction is "
                      r"0.1 there and 0.0 here\)\. Run with the checkpoint's values"):
     plain = helpers.tiny_config()

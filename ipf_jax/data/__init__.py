@@ -1,8 +1,9 @@
-"""Datasets by name: ``create_dataset(config)``.
-
-``digits`` is embedded (scikit-learn); the others are read with TFDS from
-``config.data_dir`` and must have been prepared there (``fashion_mnist`` from
-Debian's files: ``python -m ipf_jax.data.prepare fashion_mnist``).
+"""The input (docs/DESIGN.md §8): datasets by name, ``create_dataset(config)``, as host-side iterators of
+numpy batches with an epoch and a position, so a resumed run reads on from where it stopped. ``digits`` is
+embedded (scikit-learn); the others are read with TFDS from ``config.data_dir`` and must have been prepared
+there (``fashion_mnist`` from Debian's files: ``python -m ipf_jax.data.prepare fashion_mnist``). Also the
+user's own arrays (``ArrayDataset``) or batch functions (``Data``), and the shifted and OOD evaluation sets.
+Knows nothing of the mesh: ``ipf_jax.spmd.layout`` places a batch on it.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 
 import ml_collections
 
-from ipf_jax.configuration import ConfigError
+from ipf_jax.errors import ConfigError
 
 TFDS_DATASETS = ("imagenet2012", "cifar10", "cifar100", "fashion_mnist")
 DATASETS = ("digits",) + TFDS_DATASETS

@@ -132,7 +132,7 @@ def names(config, dataset_name: str) -> tuple:
     return known
   unknown = [s for s in asked if s not in known]
   if unknown:
-    from ipf_jax.configuration import ConfigError
+    from ipf_jax.errors import ConfigError
     raise ConfigError("eval_shifts", f"{', '.join(unknown)} not known for dataset {dataset_name!r}; use 'all' "
                                      f"or some of: {', '.join(known) or '(none)'}")
   return tuple(asked)
@@ -183,7 +183,7 @@ def ood_names(config) -> tuple:
   """The OOD sets ``config.ood_dataset`` names (comma-separated), in order."""
   names_ = [s.strip() for s in config.ood_dataset.split(",") if s.strip()]
   if len(set(names_)) != len(names_):
-    from ipf_jax.configuration import ConfigError
+    from ipf_jax.errors import ConfigError
     raise ConfigError("ood_dataset", f"{config.ood_dataset!r} names a set twice")
   return tuple(names_)
 
@@ -203,7 +203,7 @@ def ood_set(config, dataset):
 def _ood_set(config, dataset, name: str):
   if config.dataset == "digits":
     if name != "photos":
-      from ipf_jax.configuration import ConfigError
+      from ipf_jax.errors import ConfigError
       raise ConfigError("ood_dataset", f"{name!r} is not available for digits; use 'photos' (8x8 patches of "
                                        "scikit-learn's sample photographs)")
     images = photo_patches(config.shift_examples or dataset.test_size)

@@ -1,11 +1,15 @@
-"""Model zoo: ``create_model(config, num_classes, bn_axis_name)``; any other Flax module works too (``Task``)."""
+"""The model zoo: ``create_model(config, num_classes, bn_axis_name)`` builds the CNN or a ResNet (18 to 200)
+named by ``config.model``, and ``model_from_fields`` rebuilds one from the fields an export records. Plain
+Flax Linen modules written for one particle and one device's batch; BatchNorm averages over the axis it is
+given (``"data"``: SyncBN within a particle's group). Any other Flax module, Linen or NNX, works too
+(``ipf_jax.Task``)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import jax.numpy as jnp
 
-from ipf_jax.configuration import ConfigError
+from ipf_jax.errors import ConfigError
 from ipf_jax.models import resnet
 from ipf_jax.models.cnn import CNN
 

@@ -39,9 +39,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ipf_jax import quiet
-from ipf_jax import workdir as workdir_lib
-from ipf_jax.compatibility import CheckpointError, Signature, check_compatible, signature
+from ipf_jax.runtime import quiet
+from ipf_jax.runtime import workdir as workdir_lib
+from ipf_jax.runtime.compatibility import CheckpointError, Signature, check_compatible, signature
 
 log = logging.getLogger("ipf_jax")
 

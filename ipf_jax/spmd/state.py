@@ -10,10 +10,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax import compression
-from ipf_jax import optim
-from ipf_jax import sharing
-from ipf_jax.mesh import PARTICLE
+from ipf_jax.population import compression
+from ipf_jax.spmd import optim, sharing
+from ipf_jax.spmd.mesh import PARTICLE
 
 
 @flax.struct.dataclass

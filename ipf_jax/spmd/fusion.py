@@ -5,7 +5,7 @@ weighted ``psum``s over ``"particle"``. The averaged network's activations need
 not match ``beta_bar``; ``make_fused_bn_fn`` re-estimates its BatchNorm
 statistics on training batches (as SWA does). The export is plain Flax:
 
-  model, variables = ipf_jax.fusion.load_fused("WORKDIR/fused_model")
+  model, variables = ipf_jax.spmd.fusion.load_fused("WORKDIR/fused_model")
   logits = model.apply(variables, images, train=False)
 
 ``WORKDIR/fused_model.msgpack`` holds ``{"params", "batch_stats"}`` (flax
@@ -14,24 +14,21 @@ msgpack); ``fused_model.json`` the model-zoo fields that rebuild the module
 """
 from __future__ import annotations
 
-import json
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import serialization
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax import correction
-from ipf_jax import filter as pf
-from ipf_jax import nnx_bridge
-from ipf_jax import sharing
-from ipf_jax.data.layout import TRAIN_BATCH_SPEC
-from ipf_jax.mesh import PARTICLE
-from ipf_jax.particles import Stream, over_particles, stream
-from ipf_jax.state import ParticleState, state_specs
+from ipf_jax.population import correction
+from ipf_jax.population import particle_filter as pf
+from ipf_jax.population.streams import Stream, stream
+from ipf_jax.spmd import sharing
+from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
+from ipf_jax.spmd.mesh import PARTICLE
+from ipf_jax.spmd.particles import over_particles
+from ipf_jax.spmd.state import ParticleState, state_specs
 
 
 def fused(state: ParticleState):
@@ -114,36 +111,6 @@ def reestimate_bn(fused_bn_fn: Callable, state, batches, wait: Callable = lambda
   return None if total is None else jax.tree.map(lambda x: x / n, total)
 
 
-# ---- export ------------------------------------------------------------------------------------------------------
-
-def export_fused(variables: dict, path: str, model_fields: Optional[dict] = None) -> None:
-  """Writes ``path.msgpack`` (the variables) and ``path.json`` (``model_fields``: what rebuilds a zoo model).
-  Call on process 0; each file is written atomically."""
-  from ipf_jax import workdir as workdir_lib
-  host = jax.tree.map(np.asarray, jax.device_get(variables))
-  workdir_lib.write_atomic(path + ".msgpack", serialization.msgpack_serialize(host))
-  workdir_lib.write_atomic(path + ".json", json.dumps({"model": model_fields}, indent=1))
 
 
-def load_fused(path: str, model=None):
-  """``(module, variables)`` of an exported fused model (``path`` without extension).
 
-  ``model``: the Flax module to return (a model you brought); by default the zoo model the export names.
-  A Linen module is returned as given (``module.apply(variables, x, train=False)``); an NNX module or
-  constructor comes back as an ``nnx.Module`` holding the fused values, in eval mode (``module(x)``).
-  """
-  with open(path + ".msgpack", "rb") as f:
-    variables = serialization.msgpack_restore(f.read())
-  if isinstance(model, nnx_bridge.NNXModel) or (model is not None and nnx_bridge.is_nnx(model)):
-    adapted = model if isinstance(model, nnx_bridge.NNXModel) else nnx_bridge.NNXModel(model)
-    return adapted.module(variables), variables
-  if model is None:
-    with open(path + ".json") as f:
-      fields = json.load(f)
-    fields = fields.get("model", fields)  # exports before the "model" key held the fields at the top
-    if not fields:
-      raise ValueError(f"{path}.json names no zoo model: pass the Flax module you trained, "
-                       "load_fused(path, model=...)")
-    from ipf_jax.models import model_from_fields
-    model = model_from_fields(fields)
-  return model, variables

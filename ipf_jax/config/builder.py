@@ -16,15 +16,14 @@ import jax
 import ml_collections
 import optax
 
-from ipf_jax import configuration
-from ipf_jax import evaluation
-from ipf_jax import fusion
-from ipf_jax import filter as pf
-from ipf_jax import mesh as mesh_lib
-from ipf_jax import optim
-from ipf_jax import state as state_lib
-from ipf_jax import step as step_lib
-from ipf_jax.task import Task, classification
+from ipf_jax.config import validation
+from ipf_jax.population import particle_filter as pf
+from ipf_jax.spmd import eval_step, fusion, optim
+from ipf_jax.spmd import mesh as mesh_lib
+from ipf_jax.spmd import state as state_lib
+from ipf_jax.spmd import step as step_lib
+from ipf_jax.spmd.spec import ParticleSpec
+from ipf_jax.spmd.task import Task, classification
 
 
 @dataclasses.dataclass
@@ -33,7 +32,7 @@ class Parts:
   config: ml_collections.ConfigDict
   task: Task
   mesh: jax.sharding.Mesh
-  spec: configuration.ParticleSpec
+  spec: ParticleSpec
   total_steps: int
   lr_fn: optax.Schedule
   tx: optax.GradientTransformation
@@ -54,7 +53,7 @@ def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
 
 
 def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1,
-          devices: Optional[Sequence[jax.Device]] = None, spec: Optional[configuration.ParticleSpec] = None,
+          devices: Optional[Sequence[jax.Device]] = None, spec: Optional[ParticleSpec] = None,
           optimizer: Optional[optim.Optimizer] = None, exchange: Optional[pf.Exchange] = None) -> Parts:
   """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
 
@@ -62,20 +61,20 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
     example: a batch dict (arrays or ``ShapeDtypeStruct``s) with the fields the model reads.
     steps_per_epoch: for ``num_epochs`` / ``warmup_epochs``.
     devices: default ``jax.devices()[:config.num_devices or all]``.
-    spec: override of ``configuration.particle_spec(config)`` (benchmarks isolate parts of the step).
+    spec: override of ``validation.particle_spec(config)`` (benchmarks isolate parts of the step).
     optimizer: ``lr_fn -> optax.GradientTransformation`` for one particle, e.g.
       ``lambda lr: optax.adamw(lr, weight_decay=0.05)``; default the config's SGD (``optim.create_optimizer``).
     exchange: how resampled particles move (``filter.Exchange``, e.g. ``functools.partial(
       filter.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
   """
   if devices is None:
-    configuration.setup_devices(config)
+    validation.setup_devices(config)
   devices = list(devices or jax.devices()[:config.num_devices or jax.device_count()])
-  dp, _ = configuration.validate(config, len(devices))
+  dp, _ = validation.validate(config, len(devices))
   mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
-  spec = spec or configuration.particle_spec(config)
+  spec = spec or validation.particle_spec(config)
   if getattr(task.model, "shared_init_only", False) and not spec.shared_init:
-    raise configuration.ConfigError(
+    raise validation.ConfigError(
         "init", f"mode={config.mode!r} with init={config.init!r} starts each particle from its own init, but the "
         "task's model is an nnx.Module instance, which gives every particle its values. Pass a constructor "
         "instead, Task(model=lambda rngs: MyModel(..., rngs=rngs)), or set config.init='shared'")
@@ -86,7 +85,7 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
   return Parts(config=config, task=task, mesh=mesh, spec=spec, total_steps=total, lr_fn=lr_fn, tx=tx,
                abstract_state=abstract, init_state=init,
                train_step=step_lib.make_train_step(task, tx, spec, mesh, lr_fn, exchange),
-               eval_step=evaluation.make_eval_step(task, mesh, spec.particle_loop), fuse=fusion.make_fuse_fn(mesh),
+               eval_step=eval_step.make_eval_step(task, mesh, spec.particle_loop), fuse=fusion.make_fuse_fn(mesh),
                diversity=fusion.make_diversity_fn(mesh),
                fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop))
 
@@ -96,4 +95,4 @@ def state_shapes(config: ml_collections.ConfigDict, task: Task, example: dict, s
   """The shapes and dtypes of the state ``config`` builds for ``task`` (no mesh, nothing compiled)."""
   total, warmup = optim.train_steps(config, steps_per_epoch)
   tx = optim.make_optimizer(config, optim.create_learning_rate_fn(config, total, warmup), optimizer)
-  return state_lib.train_state_shapes(config, configuration.particle_spec(config), task, tx, example)
+  return state_lib.train_state_shapes(config, validation.particle_spec(config), task, tx, example)

@@ -26,7 +26,7 @@ from typing import Optional
 
 import jax
 
-from ipf_jax.preemption import EXIT_PEER
+from ipf_jax.runtime.preemption import EXIT_PEER
 
 _PREFIX = "ipf_jax/peer/"
 _DONE = "done"

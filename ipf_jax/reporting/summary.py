@@ -1,6 +1,6 @@
 """TensorBoard event files in the workdir (process 0 only), via tensorboardX.
 
-Scalar tags (read back by ``ipf_jax.report``):
+Scalar tags (read back by ``ipf_jax.reporting.report``):
   train/loss, train/lr, train/ess, train/max_weight, train/resamples, train/num_alive,
   train/grad_norm, train/images_per_s, train/diversity,
   particle/loss/<i>, particle/weight/<i>, particle/diversity/<i>,
@@ -21,7 +21,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 
-from ipf_jax import metrics as metrics_lib
+from ipf_jax.evaluation import metrics as metrics_lib
 
 
 class SummaryWriter:

@@ -2,7 +2,7 @@
 (every example exactly once: padded last batch, masked) and the final table."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -10,21 +10,14 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax import correction
-from ipf_jax import filter as pf
-from ipf_jax import fusion
-from ipf_jax import metrics
-from ipf_jax import sharing
-from ipf_jax.data import layout
 from ipf_jax.data.errors import DataError
-from ipf_jax.mesh import DATA, PARTICLE
-from ipf_jax.particles import over_particles
-from ipf_jax.state import ParticleState, state_specs
-from ipf_jax.task import Task
-
-ROWS = (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_uniform"), ("fused model", "fused"),
-        ("fused model, BN re-estimated", "fused_bn"))
-BRIEF = ("accuracy", "nll", "ece", "brier", "selective_auc", "reliability")  # what a shifted set keeps
+from ipf_jax.population import correction
+from ipf_jax.population import particle_filter as pf
+from ipf_jax.spmd import fusion, layout, sharing
+from ipf_jax.spmd.mesh import DATA, PARTICLE
+from ipf_jax.spmd.particles import over_particles
+from ipf_jax.spmd.state import ParticleState, state_specs
+from ipf_jax.spmd.task import Task
 
 
 def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap") -> Callable:
@@ -156,109 +149,13 @@ def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: 
   return results
 
 
-def brief(results: dict, calibration: Optional[dict] = None) -> dict:
-  """Each row's (and each particle's) scalar metrics and reliability bins, without the histograms and
-  temperature curves (a shifted set's results). With ``calibration`` (the held-out set's results), also
-  ``temperature_scaled``: each row's NLL, ECE and Brier at the temperature fitted on it, as the test set's."""
-  keep = lambda m, scalar: {k: v for k, v in m.items() if k in BRIEF or (k not in _CURVES and np.ndim(v) == scalar)}
-  out = {k: keep(v, 1 if k == "particles" else 0) if isinstance(v, dict) else v for k, v in results.items()}
-  scaled = temperature_scaled(calibration, results) if calibration is not None else {}
-  if scaled:  # a task without tempered metrics (regression) has none
-    out["temperature_scaled"] = scaled
-  return out
 
 
-_CURVES = ("selective_accuracy", "certainty_counts", "nll_by_temperature", "brier_by_temperature",
-           "ece_by_temperature")
 
 
-def temperature_scaled(calibration: dict, test: dict) -> dict:
-  """For each row: the temperature ``T`` of ``metrics.TEMPERATURES`` with the lowest NLL on the
-  calibration set, and the test set's NLL, ECE and Brier of the prediction tempered by it
-  (``p ** (1 / T)`` renormalised; accuracy does not change). Rows without tempered metrics (tasks other
-  than classification) are left out."""
-  out = {}
-  for _, key in ROWS:
-    curve = np.asarray(calibration.get(key, {}).get("nll_by_temperature", np.nan))
-    if np.isfinite(curve).any():
-      i = int(np.nanargmin(curve))
-      out[key] = {"temperature": float(metrics.TEMPERATURES[i]), "at_grid_edge": i in (0, len(curve) - 1),
-                  **{m: float(test[key][f"{m}_by_temperature"][i]) for m in ("nll", "ece", "brier")}}
-  return out
 
 
-def ood_auroc(test: dict, ood: dict) -> dict:
-  """OOD AUROC of each row and particle, by the maximum probability and by the predictive entropy
-  (``metrics.certainty``): test examples as positives, the OOD set's as negatives."""
-  out = {}
-  for key in ("particles",) + tuple(k for _, k in ROWS):
-    if "certainty_counts" in test.get(key, {}):
-      a, b = np.asarray(test[key]["certainty_counts"]), np.asarray(ood[key]["certainty_counts"])
-      out[key] = {"auroc_max_prob": metrics.auroc(a[..., 0, :], b[..., 0, :]),
-                  "auroc_entropy": metrics.auroc(a[..., 1, :], b[..., 1, :])}
-  return out
 
 
-def format_extras(results: dict, columns: tuple) -> str:
-  """Lines under the table: diversity, temperature scaling, shifts (mean over severities; accuracy and ECE,
-  or the first two of the task's ``columns``; the ECE at the fitted temperature when there is one) and OOD."""
-  lines = []
-  if "diversity" in results and len(results["weights"]) > 1:
-    d = results["diversity"]
-    lines.append(f"diversity of the population: disagreement {d['disagreement']:.4f}, "
-                 f"pairwise KL {d['pairwise_kl']:.4f}")
-  for key, t in results.get("temperature_scaled", {}).items():
-    r = results[key]
-    edge = " (the grid's edge: the best T may lie beyond)" if t["at_grid_edge"] else ""
-    lines.append(f"temperature scaling, {dict((k, n) for n, k in ROWS)[key]}: T = {t['temperature']:.3g}{edge}; NLL "
-                 f"{r['nll']:.4f} -> {t['nll']:.4f}, ECE {r['ece']:.4f} -> {t['ece']:.4f}, Brier "
-                 f"{r['brier']:.4f} -> {t['brier']:.4f}")
-  shifts = results.get("shifts", {})
-  if shifts:
-    from ipf_jax.data.shifts import family
-    families = {}
-    for name, r in shifts.items():
-      families.setdefault(family(name)[0], []).append(r)
-    present = next(iter(shifts.values())).get("ensemble", {})
-    shown = [c for c in columns if c[1] in ("accuracy", "ece") and c[1] in present] or [
-        c for c in columns if c[1] in present][:2]
-    rows_shown = [key for key in ("ensemble", "fused") if key in next(iter(shifts.values()))]
-    scaled = next(iter(shifts.values())).get("temperature_scaled", {})
-    cells = []  # (heading, value of one set's results, format)
-    for key in rows_shown:
-      cells += [(f"{key} {title}", lambda r, key=key, metric=metric: r[key][metric], fmt)
-                for title, metric, fmt in shown]
-      if key in scaled:
-        cells.append((f"{key} ECE at T", lambda r, key=key: r["temperature_scaled"][key]["ece"], "{:.4f}"))
-    rows = [("shift (mean over severities)",) + tuple(heading for heading, _, _ in cells)]
-    for name, rs in families.items():
-      rows.append((name,) + tuple(fmt.format(np.mean([get(r) for r in rs])) for _, get, fmt in cells))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-              for r in rows]
-  ood = results.get("ood_sets") or ({results.get("ood_dataset", "OOD set"): results["ood"]} if "ood" in results
-                                    else {})
-  for name, by_row in ood.items():
-    for key, a in by_row.items():
-      if key != "particles":
-        lines.append(f"OOD AUROC ({name}), {dict((k, n) for n, k in ROWS)[key]}: "
-                     f"max prob {a['auroc_max_prob']:.4f}, entropy {a['auroc_entropy']:.4f}")
-  return "\n".join(lines)
 
 
-def format_table(results: dict, columns: tuple, shared_init: bool = True) -> str:
-  """One row per particle (with its weight), the two ensembles and the fused model(s)."""
-  weights = results["weights"]
-  rows = [("model", "weight") + tuple(title for title, _, _ in columns)]
-  p = results["particles"]
-  for i in range(len(weights)):
-    rows.append((f"particle {i}", f"{weights[i]:.3f}") + tuple(fmt.format(p[key][i]) for _, key, fmt in columns))
-  for name, key in ROWS:
-    if key in results:
-      rows.append((name, "") + tuple(fmt.format(results[key][k]) for _, k, fmt in columns))
-  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-  lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
-  lines.insert(1, "-" * len(lines[0]))
-  if not shared_init:
-    lines.append("(independent inits: the fused model averages unrelated networks and is not meaningful)")
-  return "\n".join(lines)

@@ -16,18 +16,13 @@ import os
 import re
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from ipf_jax import checkpoint
-from ipf_jax import cluster
-from ipf_jax import configuration
-from ipf_jax import preemption
-from ipf_jax import trainer
-from ipf_jax import workdir
+from ipf_jax.config import validation
 from ipf_jax.data.errors import DataError
+from ipf_jax.runtime import checkpoint, cluster, preemption, trainer, workdir
 
 FLAGS = flags.FLAGS
 
@@ -69,7 +64,7 @@ def apply_mode(config, argv) -> None:
     config.num_particles = 1
 
 
-ERRORS = (configuration.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, workdir.WorkdirError,
+ERRORS = (validation.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, workdir.WorkdirError,
           DataError)
 
 
@@ -85,12 +80,12 @@ def _config_error(error: Exception, argv) -> None:
                   and re.search(rf"\b{re.escape(_field(a))}\b", str(error))), None)
   if culprit is None:
     _usage_error(f"{' '.join(overrides) or 'the command line'}: {' '.join(str(error).split())[:300]}")
-  from ipf_jax import defaults
+  from ipf_jax.config import defaults
   known = list(defaults.get_config().keys())
   if _field(culprit) in known:
     _usage_error(f"{culprit}: {' '.join(str(error).split())[:300]}")
   close = difflib.get_close_matches(_field(culprit), known, n=1)
-  hint = f"did you mean --config.{close[0]}?" if close else "ipf_jax/defaults.py lists every field"
+  hint = f"did you mean --config.{close[0]}?" if close else "ipf_jax/config/defaults.py lists every field"
   _usage_error(f"{culprit}: the config has no field {_field(culprit)!r}; {hint}")
 
 
@@ -102,9 +97,8 @@ def default_config_path() -> str:
   """This package's ``configs/digits.py``: the checkout's beside ``ipf_jax/`` (``python train.py``), else
   the copy installed with the package as ``ipf_jax.configs`` (``ipf-train``); never another directory's."""
   import importlib.util
-  import ipf_jax
-  checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ipf_jax.__file__))), "configs",
-                          "digits.py")
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ipf_jax/, above runtime/
+  checkout = os.path.join(os.path.dirname(package), "configs", "digits.py")
   if os.path.isfile(checkout):
     return os.path.relpath(checkout) if not os.path.relpath(checkout).startswith("..") else checkout
   spec = importlib.util.find_spec("ipf_jax.configs")
@@ -135,7 +129,7 @@ def main(argv):
   # Failures reach the user as one line each; orbax's and asyncio's own tracebacks of them would bury it.
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
-  configuration.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
+  validation.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
   watch = cluster.start(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                         startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
   error = None

@@ -13,23 +13,21 @@ import jax
 import ml_collections
 import numpy as np
 
-from ipf_jax import builder as build_lib
-from ipf_jax import checkpoint as checkpoint_lib
-from ipf_jax import compatibility
-from ipf_jax import configuration
-from ipf_jax import run_eval
-from ipf_jax import mesh as mesh_lib
-from ipf_jax import metrics as metrics_lib
-from ipf_jax import optim
-from ipf_jax import preemption
-from ipf_jax import summary
-from ipf_jax import workdir as workdir_lib
+from ipf_jax import files
+from ipf_jax.config import builder as build_lib
+from ipf_jax.config import validation
 from ipf_jax.data import create_dataset
 from ipf_jax.data.errors import DataError
-from ipf_jax.data import layout
-from ipf_jax.mesh import one_program_at_a_time
-from ipf_jax.preemption import RunStopped
-from ipf_jax.task import Task
+from ipf_jax.evaluation import metrics as metrics_lib
+from ipf_jax.reporting import summary
+from ipf_jax.runtime import checkpoint as checkpoint_lib
+from ipf_jax.runtime import compatibility, preemption, run_eval
+from ipf_jax.runtime import workdir as workdir_lib
+from ipf_jax.runtime.preemption import RunStopped
+from ipf_jax.spmd import layout, optim
+from ipf_jax.spmd import mesh as mesh_lib
+from ipf_jax.spmd.mesh import one_program_at_a_time
+from ipf_jax.spmd.task import Task
 
 log = logging.getLogger("ipf_jax")
 WorkdirError = workdir_lib.WorkdirError
@@ -115,18 +113,18 @@ class _Run(run_eval.RunEvaluation):
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True,
                task: Optional[Task] = None, data=None, check_only: bool = False,
                optimizer: Optional[optim.Optimizer] = None):
-    configuration.setup_devices(config)
-    configuration.validate(config, jax.device_count())
+    validation.setup_devices(config)
+    validation.validate(config, jax.device_count())
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
     self.dataset = data if data is not None else create_dataset(config)
     self.prepare_eval_sets(data_given=data is not None)
-    configuration.validate_data(config, self.dataset.train_size, jax.device_count())
+    validation.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
     self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)  # None: unknown
     if self.steps_per_epoch is None and (config.num_epochs or config.warmup_epochs):
-      raise configuration.ConfigError(
+      raise validation.ConfigError(
           "num_epochs" if config.num_epochs else "warmup_epochs",
           f"the data {self.dataset.name!r} does not know its epoch length; give it one (ipf_jax.Data("
           "steps_per_epoch_fn=...)) or count in steps (num_train_steps, warmup_steps)")
@@ -268,7 +266,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Op
   ``step_hook(step, state, batch) -> (state, batch)``, if given, runs before
   every step (fault-injection tests).
   """
-  configuration.setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
+  validation.setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
   with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
     run = _Run(config, workdir, task=task, data=data, optimizer=optimizer)
     try:
@@ -310,7 +308,7 @@ def _refuse_to_overwrite(workdir: str) -> None:
 def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_hook) -> dict:
   if jax.process_index() == 0:  # only once the checkpoint is known to fit this config
     keep_log(run.workdir)
-    workdir_lib.write_atomic(os.path.join(run.workdir, "config.json"), run.config.to_json(indent=2))
+    files.write_atomic(os.path.join(run.workdir, "config.json"), run.config.to_json(indent=2))
   if state is None:
     state = run.parts.init_state()
   start = int(state.step)

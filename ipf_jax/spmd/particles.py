@@ -1,28 +1,13 @@
 """How a device runs its ``L`` local particles: one function written for one particle, looped."""
 from __future__ import annotations
 
-import enum
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ipf_jax.mesh import DATA, PARTICLE
-
-
-class Stream(enum.IntEnum):
-  """The random streams of a train step (DESIGN.md §10), each ``stream(step_key, purpose)`` of the step key
-  ``fold_in(rng, step)``; ``FUSED_BN`` is folded into ``rng`` itself. Named once, used by name."""
-  RESAMPLE = 0  # the systematic resampling's one shared uniform
-  JITTER = 1  # the noise on resampled copies
-  MODEL = 2  # the model's own randomness (dropout): per particle and data shard, per micro-batch
-  FUSED_BN = 2 ** 31 - 1  # the fused model's BatchNorm re-estimation (from ``rng``, not a step key)
-
-
-def stream(key, purpose: Stream):
-  """``fold_in(key, purpose)``: the key of one of ``Stream``'s purposes."""
-  return jax.random.fold_in(key, int(purpose))
+from ipf_jax.spmd.mesh import DATA, PARTICLE
 
 
 def per_particle(mask, x):

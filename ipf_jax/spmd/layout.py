@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax.mesh import DATA, PARTICLE
+from ipf_jax.spmd.mesh import DATA, PARTICLE
 
 TRAIN_BATCH_SPEC = P(PARTICLE, DATA)  # for every array of a train batch
 EVAL_BATCH_SPEC = P((PARTICLE, DATA))  # for every array of an eval batch: a different part on each device

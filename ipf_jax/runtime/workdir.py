@@ -12,7 +12,6 @@ import fcntl
 import os
 import shutil
 import socket
-import tempfile
 
 LOCK_FILE = ".lock"
 
@@ -139,19 +138,3 @@ def size_text(n: float) -> str:
   return ""
 
 
-def write_atomic(path: str, data: bytes | str) -> None:
-  """Writes ``path`` through a temporary file and a rename, so a crash never leaves it half-written."""
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data.encode() if isinstance(data, str) else data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    try:
-      os.remove(tmp)
-    except OSError:
-      pass
-    raise

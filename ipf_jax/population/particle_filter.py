@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ipf_jax.particles import Stream, stream
+from ipf_jax.population.streams import Stream, stream
 
 
 def update_log_weights(log_w, loss, alive, temperature: float, forgetting: float):

@@ -1,6 +1,6 @@
 """Pictures of a run from its TensorBoard event files.
 
-  python -m ipf_jax.report WORKDIR [--out WORKDIR/report]
+  python -m ipf_jax.reporting WORKDIR [--out WORKDIR/report]
 
 Writes training_curves.png (per-particle loss; float16: the loss scale), weights.png (ESS and weights
 over time, resampling events marked), genealogy.png (which slot descends from

@@ -17,7 +17,7 @@ particle and data shard, derived from the step) when ``rngs`` asks for it, and
 module (or a constructor ``rngs -> nnx.Module``) is taken as it is: it is split
 into ``params`` (``nnx.Param``) and ``batch_stats`` (``nnx.BatchStat``), its RNG
 streams are keyed per particle and step, and it is called as ``module(inputs)``
-after ``module.train()`` / ``module.eval()`` (``ipf_jax.nnx_bridge``).
+after ``module.train()`` / ``module.eval()`` (``ipf_jax.spmd.nnx_bridge``).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ipf_jax import metrics as metrics_lib
-from ipf_jax import nnx_bridge
+from ipf_jax.evaluation import metrics as metrics_lib
+from ipf_jax.spmd import nnx_bridge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Task:
   Attributes:
     model: any Flax Linen module taking ``(inputs, train=bool)``; or a Flax NNX module called as
       ``module(inputs)`` (an instance: every particle starts from its values; a constructor
-      ``rngs -> nnx.Module``: each particle from its own key), see ``ipf_jax.nnx_bridge``.
+      ``rngs -> nnx.Module``: each particle from its own key), see ``ipf_jax.spmd.nnx_bridge``.
     loss: ``(outputs, batch) -> [b]`` per-example loss (a particle's loss is its mean over the
       particle's examples; the gradient flows through it).
     predictive: ``(outputs, batch) -> pytree of [b, ...]``: what the ensembles average.

@@ -12,14 +12,14 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from ipf_jax import configuration
-from ipf_jax import evaluation
-from ipf_jax import fusion
-from ipf_jax import models
-from ipf_jax import workdir as workdir_lib
-from ipf_jax.data import layout
+from ipf_jax import files, models
+from ipf_jax.config import validation
 from ipf_jax.data import shifts
-from ipf_jax.mesh import one_program_at_a_time
+from ipf_jax.evaluation import results as results_lib
+from ipf_jax.reporting import export, tables
+from ipf_jax.runtime import workdir as workdir_lib
+from ipf_jax.spmd import eval_step, fusion, layout
+from ipf_jax.spmd.mesh import one_program_at_a_time
 
 log = logging.getLogger("ipf_jax")
 
@@ -36,15 +36,15 @@ class RunEvaluation:
     if config.calibration_fraction:
       if getattr(self.dataset, "calibration", None) is None:
         if not hasattr(self.dataset, "holdout"):
-          raise configuration.ConfigError(
+          raise validation.ConfigError(
               "calibration_fraction", f"the data {self.dataset.name!r} cannot hold out part of its train split "
               "(in-memory datasets can: digits, ArrayDataset); set it to 0")
         self.dataset = self.dataset.holdout(config.calibration_fraction)
       self.calibration = self.dataset.calibration
     if data_given and (config.eval_shifts or config.ood_dataset):
-      raise configuration.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
+      raise validation.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
                                       "the shifted and OOD sets are those of config.dataset's built-in data; with "
-                                      "your own data, evaluate your own sets (evaluation.evaluate); set it to ''")
+                                      "your own data, evaluate your own sets (eval_step.evaluate); set it to ''")
     self.shift_sets = shifts.eval_sets(config, self.dataset)
     self.ood_sets = shifts.ood_sets(config, self.dataset)
 
@@ -70,26 +70,26 @@ class RunEvaluation:
       for batch in batches:
         self.eval_read += len(next(iter(batch.values())))
         yield batch
-    return evaluation.evaluate(self.task, self.parts.eval_step, state,
+    return eval_step.evaluate(self.task, self.parts.eval_step, state,
                                counted(source.eval_batches(per_process if local else size)),
                                size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
                                process_local=local)
 
   def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
     """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
-    the train split, each shifted set (``evaluation.brief``; with the held-out part, also at its fitted
+    the train split, each shifted set (``results_lib.brief``; with the held-out part, also at its fitted
     temperature) and OOD AUROC against each OOD set (``ood_sets``; the first also as ``ood``, with its name
     as ``ood_dataset``)."""
     more, calibration = {}, None
     if self.calibration is not None:
       calibration = self.evaluate(state, fused_bn, interrupted, self.calibration)
-      more["temperature_scaled"] = evaluation.temperature_scaled(calibration, results)
+      more["temperature_scaled"] = results_lib.temperature_scaled(calibration, results)
       more["calibration_examples"] = self.calibration.test_size
     if self.shift_sets:  # with a calibration set, each also at the temperature fitted on it (before the curves go)
-      more["shifts"] = {name: evaluation.brief(self.evaluate(state, fused_bn, interrupted, source), calibration)
+      more["shifts"] = {name: results_lib.brief(self.evaluate(state, fused_bn, interrupted, source), calibration)
                         for name, source in self.shift_sets.items()}
     if self.ood_sets:
-      more["ood_sets"] = {name: evaluation.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, source))
+      more["ood_sets"] = {name: results_lib.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, source))
                           for name, source in self.ood_sets.items()}
       more["ood_dataset"], more["ood"] = next(iter(more["ood_sets"].items()))
     return more
@@ -105,11 +105,11 @@ class RunEvaluation:
     results.update(self.evaluate_more(state, results, fused_bn, interrupted))
     step = int(state.step)
     size = self.dataset.test_size
-    extras = evaluation.format_extras(results, self.task.columns)
+    extras = tables.format_extras(results, self.task.columns)
     log.info("final evaluation at step %d on %s %s test examples%s:\n%s%s", step, size if size else "the",
              self.dataset.name, f" (process 0 read {read}: each process reads its own part)"
              if jax.process_count() > 1 and read != size else "",
-             evaluation.format_table(results, self.task.columns, self.spec.shared_init),
+             tables.format_table(results, self.task.columns, self.spec.shared_init),
              "\n" + extras if extras else "")
     variables, _ = self.parts.fuse(state)
     if fused_bn is not None:
@@ -126,10 +126,10 @@ class RunEvaluation:
                   workdir_lib.free_space(self.workdir))
         return results
       try:
-        workdir_lib.write_atomic(path, json.dumps(
+        files.write_atomic(path, json.dumps(
             {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
         fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
-        fusion.export_fused(variables, os.path.join(self.workdir, f"fused_model{suffix}"), fields)
+        export.export_fused(variables, os.path.join(self.workdir, f"fused_model{suffix}"), fields)
       except OSError as e:
         log.error("could not write %s or the fused model (%s; %s)", path, e.strerror or e,
                   workdir_lib.free_space(self.workdir))
@@ -167,6 +167,6 @@ def keep_narrowed(path: str, results: dict) -> Optional[str]:
   stem = path[:-len(".json")]
   keep = next(c for c in (f"{stem}.replaced{'' if i == 1 else f'.{i}'}.json" for i in itertools.count(1))
               if not os.path.exists(c))
-  workdir_lib.write_atomic(keep, held)
+  files.write_atomic(keep, held)
   log.warning("%s %s: it is kept as %s", os.path.basename(path), why, os.path.basename(keep))
   return keep

@@ -5,7 +5,6 @@ that names the field and a value that would work.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from typing import Optional
@@ -13,8 +12,10 @@ from typing import Optional
 import jax
 import ml_collections
 
-from ipf_jax import filter as pf
-from ipf_jax import mesh as mesh_lib
+from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
+from ipf_jax.population import particle_filter as pf
+from ipf_jax.spmd import mesh as mesh_lib
+from ipf_jax.spmd.spec import ParticleSpec
 
 MODES = ("ddp", "ensemble", "ipf")
 LR_SCALING = ("none", "linear", "sqrt", "seed")
@@ -36,12 +37,6 @@ def resolve_particle_loop(loop: str, backend: Optional[str] = None) -> str:
 EXCHANGES = ("auto",) + pf.EXCHANGES
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the field and the fix."""
-
-  def __init__(self, field: str, message: str):
-    super().__init__(f"config.{field}: {message}")
-    self.field = field
 
 
 def setup_devices(config: ml_collections.ConfigDict) -> None:
@@ -73,30 +68,6 @@ def setup_devices(config: ml_collections.ConfigDict) -> None:
                     f"{n}) right after `import jax`.")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ParticleSpec:
-  """The particle filter's static settings (DESIGN.md §3), resolved from the mode. Keyword-only, and each
-  field named as the config field it comes from (``defaults.py`` says what it means); ``shared_init`` and
-  ``resampling`` are derived."""
-  num_particles: int
-  temperature: float = 0.0
-  forgetting: float = 1.0
-  correction: float = 0.0
-  ess_threshold: float = 0.0
-  resample_every: int = 0
-  jitter: float = 0.0
-  shared_init: bool = True  # one init for all particles (config.init, resolved with the mode)
-  resampling: bool = False  # whether the step has the resampling branch at all (ipf mode, P > 1)
-  compress_correction: bool = False
-  elastic_pull: float = 0.0
-  particle_loop: str = "vmap"  # resolved: vmap | map | unroll
-  resample_exchange: str = "auto"  # all_to_all | rounds | auto (filter.choose_exchange)
-  weigh_on: str = "own"
-  common_examples: int = 2
-  ess_target: float = 0.0
-  jitter_lr: float = 0.0
-  grad_accum_steps: int = 1
-  islands: int = 1
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:

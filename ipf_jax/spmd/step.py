@@ -25,16 +25,16 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax import compression
-from ipf_jax import correction
-from ipf_jax import filter as pf
-from ipf_jax import sharing
-from ipf_jax.configuration import ParticleSpec
-from ipf_jax.data.layout import TRAIN_BATCH_SPEC
-from ipf_jax.mesh import DATA, PARTICLE
-from ipf_jax.particles import Stream, over_particles, particle_keys, per_particle, stream
-from ipf_jax.state import ParticleState, state_specs
-from ipf_jax.task import Task
+from ipf_jax.population import compression, correction
+from ipf_jax.population import particle_filter as pf
+from ipf_jax.population.streams import Stream, stream
+from ipf_jax.spmd import sharing
+from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
+from ipf_jax.spmd.mesh import DATA, PARTICLE
+from ipf_jax.spmd.particles import over_particles, particle_keys, per_particle
+from ipf_jax.spmd.spec import ParticleSpec
+from ipf_jax.spmd.state import ParticleState, state_specs
+from ipf_jax.spmd.task import Task
 
 # Metrics leave the step replicated (per-particle ones gathered to [P]), so any
 # process of a multi-host run can read them.

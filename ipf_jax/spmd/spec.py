@@ -1,0 +1,30 @@
+"""The particle filter's static settings: what the train step is compiled for."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParticleSpec:
+  """The particle filter's static settings (DESIGN.md §3), resolved from the mode. Keyword-only, and each
+  field named as the config field it comes from (``defaults.py`` says what it means); ``shared_init`` and
+  ``resampling`` are derived."""
+  num_particles: int
+  temperature: float = 0.0
+  forgetting: float = 1.0
+  correction: float = 0.0
+  ess_threshold: float = 0.0
+  resample_every: int = 0
+  jitter: float = 0.0
+  shared_init: bool = True  # one init for all particles (config.init, resolved with the mode)
+  resampling: bool = False  # whether the step has the resampling branch at all (ipf mode, P > 1)
+  compress_correction: bool = False
+  elastic_pull: float = 0.0
+  particle_loop: str = "vmap"  # resolved: vmap | map | unroll
+  resample_exchange: str = "auto"  # all_to_all | rounds | auto (filter.choose_exchange)
+  weigh_on: str = "own"
+  common_examples: int = 2
+  ess_target: float = 0.0
+  jitter_lr: float = 0.0
+  grad_accum_steps: int = 1
+  islands: int = 1
