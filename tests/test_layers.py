@@ -76,3 +76,13 @@ def test_the_checker_sees_an_upward_import(tmp_path):
   bad.write_text("from ipf_jax.runtime import trainer\nfrom ..spmd import step\n")
   found = list(imports(str(bad), "ipf_jax.population.bad"))
   assert found == ["ipf_jax.runtime", "ipf_jax.spmd"], found
+
+
+def test_no_function_is_longer_than_a_screen():
+  """A function of ``ipf_jax`` reads on one screen: at most 60 lines, docstring included."""
+  long = []
+  for name, path in modules():
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+        long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+  assert not long, long

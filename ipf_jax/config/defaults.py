@@ -7,10 +7,17 @@ override a few fields. Any field can be overridden on the command line:
 import ml_collections
 
 
-def get_config():
+def get_config() -> ml_collections.ConfigDict:
+  """Every field with its default, locked: a misspelt override is an error naming the closest field."""
   config = ml_collections.ConfigDict()
+  for section in (_run, _data, _model, _optimiser, _particles, _devices):
+    section(config)
+  config.lock()
+  return config
 
-  # --- run -----------------------------------------------------------------
+
+def _run(config: ml_collections.ConfigDict) -> None:
+  """Run: how long it trains, how often it logs, evaluates and saves."""
   config.seed = 0                      # PRNG seed: particle init, resampling, data order
   config.num_train_steps = 300         # train steps (one global batch each)
   config.num_epochs = 0.0              # if > 0: train this many epochs instead of num_train_steps
@@ -24,7 +31,9 @@ def get_config():
   config.keep_checkpoints = 3          # keep the newest K checkpoints
   config.async_checkpointing = True    # write checkpoints in the background while training goes on
 
-  # --- data ------------------------------------------------------------------
+
+def _data(config: ml_collections.ConfigDict) -> None:
+  """Data: the dataset, the batch, the evaluation sets."""
   config.dataset = "digits"            # digits (scikit-learn, embedded) | imagenet2012 | cifar10 | cifar100 |
                                        # fashion_mnist (TFDS; fashion_mnist from Debian: python -m ipf_jax.data.prepare)
   config.data_dir = ""                 # TFDS data_dir holding the prepared dataset ("" = TFDS default)
@@ -51,7 +60,9 @@ def get_config():
                                        # (sklearn's, upscaled to 28x28), photos (28x28 patches) | a prepared TFDS
                                        # image dataset
 
-  # --- model -----------------------------------------------------------------
+
+def _model(config: ml_collections.ConfigDict) -> None:
+  """Model: the model zoo and the compute dtype."""
   config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny
   config.cnn_features = (32, 64, 128)  # channels of the cnn's conv stages
   config.small_inputs = False          # resnets: 3x3 stem without max-pool, for 32x32 images
@@ -62,7 +73,9 @@ def get_config():
   config.loss_scale_growth_interval = 2000  # float16: double the loss scale after this many finite steps
   config.bn_momentum = 0.9             # BatchNorm running-average momentum
 
-  # --- optimiser -------------------------------------------------------------
+
+def _optimiser(config: ml_collections.ConfigDict) -> None:
+  """Optimiser: schedule, SGD, regularisation."""
   config.base_lr = 0.1                 # learning rate at reference_batch_size
   config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size; seed: the seed's rule
                                        # base_lr * sqrt(devices * num_particles), whatever the batch
@@ -78,7 +91,9 @@ def get_config():
   config.weight_decay = 1e-4           # L2 on kernels only (not BN, not biases), added before the momentum
   config.grad_clip_norm = 0.0          # clip each particle's gradient by global norm (0 = off)
 
-  # --- particles (DESIGN.md §3) ----------------------------------------------
+
+def _particles(config: ml_collections.ConfigDict) -> None:
+  """Particles: the population and the filter (docs/DESIGN.md §3)."""
   config.mode = "ipf"                  # ddp | ensemble | ipf (see README, "Modes")
   config.num_particles = 8             # P; 1 = plain DDP in any mode
   config.shared_params = ""            # regex of parameter paths stored once and shared by all particles, e.g.
@@ -116,9 +131,9 @@ def get_config():
 
   config.particle_loop = "auto"        # vmap | map | unroll | auto (measured best: unroll on GPUs, else vmap)
 
-  # --- devices (DESIGN.md §2) ------------------------------------------------
+
+def _devices(config: ml_collections.ConfigDict) -> None:
+  """Devices: the mesh (docs/DESIGN.md §2)."""
   config.num_devices = 0               # devices to use (0 = all)
   config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
   config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)
-  config.lock()  # a misspelt field is an error naming the closest one, not a new field nobody reads
-  return config

@@ -100,24 +100,35 @@ def _check_choice(config, field, choices):
 
 
 def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple[int, int]:
-  """Checks ``config`` against itself and the ``available_devices``.
+  """Checks ``config`` against itself and the ``available_devices``: its numbers, then the algorithm's
+  fields, the model's and optimizer's, the run's (steps, checkpoints, data), and last the mesh and batch.
 
   Returns:
     The mesh shape ``(Dp, Dd)`` the run will use.
   Raises:
     ConfigError: naming the first field that cannot work.
   """
+  _validate_numbers(config)
+  validate_algorithm(config)
+  _validate_model(config)
+  _validate_run(config)
+  return _validate_mesh(config, available_devices)
+
+
+def _validate_numbers(config: ml_collections.ConfigDict) -> None:
+  """Every float finite; the seed a 32-bit integer; every choice one of its values."""
   for field, value in config.items():
     if isinstance(value, float):
       _check(math.isfinite(value), field, f"must be a finite number, got {value}")
   seed = config.seed
   _check(isinstance(seed, int) and 0 <= seed < 2 ** 32, "seed", f"must be an integer in [0, 2**32), got {seed!r}")
-  _check_choice(config, "mode", MODES)
-  _check_choice(config, "lr_scaling", LR_SCALING)
-  _check_choice(config, "dtype", DTYPES)
-  _check_choice(config, "init", INITS)
-  _check_choice(config, "particle_loop", PARTICLE_LOOPS)
-  _check_choice(config, "resample_exchange", EXCHANGES)
+  for field, choices in (("mode", MODES), ("lr_scaling", LR_SCALING), ("dtype", DTYPES), ("init", INITS),
+                         ("particle_loop", PARTICLE_LOOPS), ("resample_exchange", EXCHANGES), ("weigh_on", WEIGH_ON)):
+    _check_choice(config, field, choices)
+
+
+def validate_algorithm(config: ml_collections.ConfigDict) -> None:
+  """The particle filter's fields (docs/DESIGN.md §3): the population, weights, correction, resampling."""
   try:
     re.compile(config.shared_params)
   except re.error as e:
@@ -129,14 +140,11 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
     _check(p == 1, "num_particles",
            f"mode='ddp' trains one model, got num_particles={p}; set num_particles=1 "
            "or use mode='ensemble' or mode='ipf' for a population")
-  _check(0 <= config.calibration_fraction < 0.5, "calibration_fraction",
-         f"must be in [0, 0.5) (a fraction of the train split), got {config.calibration_fraction}")
   _check(config.temperature >= 0, "temperature", f"must be >= 0, got {config.temperature}")
   _check(0 <= config.forgetting <= 1, "forgetting", f"must be in [0, 1], got {config.forgetting}")
   _check(0 <= config.ess_target < 1, "ess_target", f"must be in [0, 1) (a fraction of P; 0 = off), got "
                                                    f"{config.ess_target}")
   _check(config.jitter_lr >= 0, "jitter_lr", f"must be >= 0, got {config.jitter_lr}")
-  _check_choice(config, "weigh_on", WEIGH_ON)
   _check(isinstance(config.common_examples, int) and config.common_examples >= 1, "common_examples",
          f"must be an integer >= 1, got {config.common_examples!r}")
   islands = config.islands
@@ -151,37 +159,17 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   bn_batches = config.fused_bn_batches
   _check(isinstance(bn_batches, int) and bn_batches >= 0, "fused_bn_batches",
          f"must be an integer >= 0 (0 = weighted average of the particles' statistics), got {bn_batches!r}")
-  _check(config.num_train_steps >= 1, "num_train_steps", f"must be >= 1, got {config.num_train_steps}")
-  _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
-  _check(config.checkpoint_every_steps >= -1, "checkpoint_every_steps",
-         f"must be >= 0 (0 = only at the end) or -1 (never), got {config.checkpoint_every_steps}")
-  _check(config.checkpoint_every_minutes >= 0, "checkpoint_every_minutes",
-         f"must be >= 0 (0 = off), got {config.checkpoint_every_minutes}")
-  _check(config.time_limit_minutes >= 0, "time_limit_minutes",
-         f"must be >= 0 (0 = no limit), got {config.time_limit_minutes}")
-  _check(config.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {config.keep_checkpoints}")
-  _check(config.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0, got {config.eval_every_steps}")
+
+
+def _validate_model(config: ml_collections.ConfigDict) -> None:
+  """The model zoo's, the loss's and the optimizer's fields."""
   _check(len(config.cnn_features) >= 1 and all(isinstance(f, int) and f >= 1 for f in config.cnn_features),
          "cnn_features",
          f"must be a non-empty list of positive channel counts, got {config.cnn_features!r}")
   _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
-  _check(config.num_devices >= 0, "num_devices", f"must be >= 0 (0 = all), got {config.num_devices}")
-  _check(config.particle_axis_size >= 0, "particle_axis_size",
-         f"must be >= 0 (0 = gcd(num_particles, devices)), got {config.particle_axis_size}")
-  _check(config.num_cpu_devices >= 0, "num_cpu_devices", f"must be >= 0 (0 = leave), got {config.num_cpu_devices}")
-  _check(config.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {config.global_batch_size}")
-  _check(config.num_epochs >= 0, "num_epochs", f"must be >= 0 (0 = use num_train_steps), got {config.num_epochs}")
-  _check(config.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {config.warmup_epochs}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
   _check(isinstance(config.grad_accum_steps, int) and config.grad_accum_steps >= 1, "grad_accum_steps",
          f"must be an integer >= 1 (1 = off), got {config.grad_accum_steps!r}")
-  _check(0 < config.train_fraction <= 1, "train_fraction", f"must be in (0, 1], got {config.train_fraction}")
-  _check(0 <= config.label_noise < 1, "label_noise", f"must be in [0, 1), got {config.label_noise}")
-  if config.dataset != "digits":
-    _check(config.train_fraction == 1 and config.label_noise == 0, "train_fraction",
-           "train_fraction and label_noise apply to the embedded digits dataset only; leave them at 1.0 and 0.0")
-  _check(config.image_size >= 8, "image_size", f"must be >= 8, got {config.image_size}")
-  _check(config.shuffle_buffer >= 1, "shuffle_buffer", f"must be >= 1, got {config.shuffle_buffer}")
   _check(config.base_lr > 0, "base_lr", f"must be > 0, got {config.base_lr}")
   _check(config.reference_batch_size >= 1, "reference_batch_size", f"must be >= 1, got {config.reference_batch_size}")
   _check(config.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {config.warmup_steps}")
@@ -195,6 +183,44 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
          f"must be an integer >= 1 (e.g. 2000), got {interval!r}")
   _check(config.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {config.grad_clip_norm}")
 
+
+def _validate_run(config: ml_collections.ConfigDict) -> None:
+  """How long the run trains, how often it logs, evaluates and saves; the data's fields."""
+  _check(config.num_train_steps >= 1, "num_train_steps", f"must be >= 1, got {config.num_train_steps}")
+  _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
+  _check(config.checkpoint_every_steps >= -1, "checkpoint_every_steps",
+         f"must be >= 0 (0 = only at the end) or -1 (never), got {config.checkpoint_every_steps}")
+  _check(config.checkpoint_every_minutes >= 0, "checkpoint_every_minutes",
+         f"must be >= 0 (0 = off), got {config.checkpoint_every_minutes}")
+  _check(config.time_limit_minutes >= 0, "time_limit_minutes",
+         f"must be >= 0 (0 = no limit), got {config.time_limit_minutes}")
+  _check(config.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {config.keep_checkpoints}")
+  _check(config.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0, got {config.eval_every_steps}")
+  _check(config.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {config.global_batch_size}")
+  _check(config.num_epochs >= 0, "num_epochs", f"must be >= 0 (0 = use num_train_steps), got {config.num_epochs}")
+  _check(config.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {config.warmup_epochs}")
+  _check(0 < config.train_fraction <= 1, "train_fraction", f"must be in (0, 1], got {config.train_fraction}")
+  _check(0 <= config.label_noise < 1, "label_noise", f"must be in [0, 1), got {config.label_noise}")
+  if config.dataset != "digits":
+    _check(config.train_fraction == 1 and config.label_noise == 0, "train_fraction",
+           "train_fraction and label_noise apply to the embedded digits dataset only; leave them at 1.0 and 0.0")
+  _check(config.image_size >= 8, "image_size", f"must be >= 8, got {config.image_size}")
+  _check(config.shuffle_buffer >= 1, "shuffle_buffer", f"must be >= 1, got {config.shuffle_buffer}")
+  _check(0 <= config.calibration_fraction < 0.5, "calibration_fraction",
+         f"must be in [0, 0.5) (a fraction of the train split), got {config.calibration_fraction}")
+  _check(isinstance(config.shift_examples, int) and config.shift_examples >= 0, "shift_examples",
+         f"{config.shift_examples!r} must be a whole number >= 0 (0 = the whole test set)")
+  _check(config.eval_batch_size > 0, "eval_batch_size",
+         f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)")
+
+
+def _validate_mesh(config: ml_collections.ConfigDict, available_devices: int) -> tuple[int, int]:
+  """The devices, the mesh ``(Dp, Dd)`` and the batch: what divides what."""
+  p = config.num_particles
+  _check(config.num_devices >= 0, "num_devices", f"must be >= 0 (0 = all), got {config.num_devices}")
+  _check(config.particle_axis_size >= 0, "particle_axis_size",
+         f"must be >= 0 (0 = gcd(num_particles, devices)), got {config.particle_axis_size}")
+  _check(config.num_cpu_devices >= 0, "num_cpu_devices", f"must be >= 0 (0 = leave), got {config.num_cpu_devices}")
   n = config.num_devices or available_devices
   _check(n <= available_devices, "num_devices",
          f"asks for {config.num_devices} devices but {available_devices} exist; "
@@ -224,10 +250,6 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
          f"(global_batch_size / (num_particles x data devices) = {g} / ({p} x {dd})); use a divisor of {shard} "
          f"such as {max(d for d in range(1, k + 1) if shard % d == 0)}, or a global_batch_size that is a multiple "
          f"of {p * dd * k}")
-  _check(isinstance(config.shift_examples, int) and config.shift_examples >= 0, "shift_examples",
-         f"{config.shift_examples!r} must be a whole number >= 0 (0 = the whole test set)")
-  _check(config.eval_batch_size > 0, "eval_batch_size",
-         f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)")
   if config.weigh_on == "common" and config.mode == "ipf":
     _check(config.common_examples <= shard, "common_examples",
            f"{config.common_examples} is more than the {shard} examples of a particle's part of a data shard "

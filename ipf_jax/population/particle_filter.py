@@ -275,6 +275,30 @@ def buckets(leaves, limit: int = BUCKET_BYTES) -> list[list[int]]:
   return groups
 
 
+def _put_slot(o, j, value, take, big: float):
+  """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision), in place: for the
+  ``BIG_LEAVES`` largest leaves (``o.size >= big``) by a local ``cond`` (measured the smallest peak), for the
+  others by a ``where`` (a ``cond`` per leaf and round would multiply the compile time)."""
+  if o.size >= big:
+    return lax.cond(take, lambda o, v: lax.dynamic_update_index_in_dim(o, v, j, 0), lambda o, v: o, o, value)
+  return lax.dynamic_update_index_in_dim(o, jnp.where(take, value, lax.dynamic_index_in_dim(o, j, keepdims=False)),
+                                         j, 0)
+
+
+def _send_buckets(values: list, groups: list, axis_name: str, perm: list) -> list:
+  """``ppermute`` of one particle's leaves, a bucket (``groups``, from ``buckets``) at a time."""
+  received = [None] * len(values)
+  for group in groups:
+    if len(group) == 1:
+      received[group[0]] = lax.ppermute(values[group[0]], axis_name, perm)
+      continue
+    flat = lax.ppermute(jnp.concatenate([values[i].ravel() for i in group]), axis_name, perm)
+    offsets = np.cumsum([0] + [values[i].size for i in group])
+    for i, a, b in zip(group, offsets[:-1], offsets[1:]):
+      received[i] = flat[a:b].reshape(values[i].shape)
+  return received
+
+
 def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Optional[int] = None):
   """``new[n] = old[src[n]]`` by rounds of one particle: memory and traffic for what moves.
 
@@ -307,28 +331,8 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
   groups = buckets(leaves, bucket_bytes)
   big = sorted(x.size for x in leaves)[-min(len(leaves), BIG_LEAVES)] if BIG_LEAVES else math.inf
 
-  def put(o, j, value, take):
-    """Slot ``j`` of ``o`` becomes ``value`` where ``take`` (this device's own decision), in place: for the
-    ``BIG_LEAVES`` largest leaves by a local ``cond`` (measured the smallest peak), for the others by a
-    ``where`` (a ``cond`` per leaf and round would multiply the compile time)."""
-    if o.size >= big:
-      return lax.cond(take, lambda o, v: lax.dynamic_update_index_in_dim(o, v, j, 0), lambda o, v: o, o, value)
-    return lax.dynamic_update_index_in_dim(o, jnp.where(take, value, lax.dynamic_index_in_dim(o, j, keepdims=False)),
-                                           j, 0)
-
-  def send(values, perm):
-    """``ppermute`` of one particle's leaves, a bucket at a time."""
-    received = [None] * len(values)
-    for group in groups:
-      if len(group) == 1:
-        received[group[0]] = lax.ppermute(values[group[0]], axis_name, perm)
-        continue
-      flat = lax.ppermute(jnp.concatenate([values[i].ravel() for i in group]), axis_name, perm)
-      offsets = np.cumsum([0] + [values[i].size for i in group])
-      for i, a, b in zip(group, offsets[:-1], offsets[1:]):
-        received[i] = flat[a:b].reshape(values[i].shape)
-    return received
-
+  put = lambda o, j, value, take: _put_slot(o, j, value, take, big)
+  send = lambda values, perm: _send_buckets(values, groups, axis_name, perm)
   one = lambda o, i: lax.dynamic_index_in_dim(o, i, keepdims=False)
   out = leaves
   for k in range(axis_size):

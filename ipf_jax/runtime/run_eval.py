@@ -1,6 +1,6 @@
 """A run's evaluations: the test set and what the config adds (temperature scaling fitted on a held-out
 part of the train split, the shifted sets, OOD AUROC), the final table, ``eval_results.json`` and the
-exported fused model. ``trainer._Run`` is a ``RunEvaluation``."""
+exported fused model. ``trainer._Run`` holds one ``Evaluations``."""
 from __future__ import annotations
 
 import itertools
@@ -10,6 +10,7 @@ import os
 from typing import Callable, Optional
 
 import jax
+import ml_collections
 import numpy as np
 
 from ipf_jax import files, models
@@ -24,29 +25,42 @@ from ipf_jax.spmd.mesh import one_program_at_a_time
 log = logging.getLogger("ipf_jax")
 
 
-class RunEvaluation:
-  """The evaluating half of a run. Uses the run's ``config``, ``dataset``, ``task``, ``parts``, ``mesh``,
-  ``spec``, ``workdir``, ``zoo`` (the task is the config's) and ``device_batches``."""
+def hold_out(config: ml_collections.ConfigDict, dataset, data_given: bool):
+  """``(dataset, calibration)``: with ``calibration_fraction``, the train split without its held-out part and
+  that part as an evaluation set; else ``(dataset, None)``. Refuses shifted and OOD sets with data you pass
+  (``data_given``): they are the built-in data's."""
+  if data_given and (config.eval_shifts or config.ood_dataset):
+    raise validation.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
+                                 "the shifted and OOD sets are those of config.dataset's built-in data; with "
+                                 "your own data, evaluate your own sets (eval_step.evaluate); set it to ''")
+  if not config.calibration_fraction:
+    return dataset, None
+  if getattr(dataset, "calibration", None) is None:
+    if not hasattr(dataset, "holdout"):
+      raise validation.ConfigError(
+          "calibration_fraction", f"the data {dataset.name!r} cannot hold out part of its train split "
+          "(in-memory datasets can: digits, ArrayDataset); set it to 0")
+    dataset = dataset.holdout(config.calibration_fraction)
+  return dataset, dataset.calibration
 
-  def prepare_eval_sets(self, data_given: bool) -> None:
-    """``calibration`` (held out of ``dataset``'s train split), ``shift_sets`` and ``ood``, as the config asks.
-    Shifted and OOD sets are the built-in data's: refused with data you pass (``data_given``)."""
-    config = self.config
-    self.calibration = None
-    if config.calibration_fraction:
-      if getattr(self.dataset, "calibration", None) is None:
-        if not hasattr(self.dataset, "holdout"):
-          raise validation.ConfigError(
-              "calibration_fraction", f"the data {self.dataset.name!r} cannot hold out part of its train split "
-              "(in-memory datasets can: digits, ArrayDataset); set it to 0")
-        self.dataset = self.dataset.holdout(config.calibration_fraction)
-      self.calibration = self.dataset.calibration
-    if data_given and (config.eval_shifts or config.ood_dataset):
-      raise validation.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
-                                      "the shifted and OOD sets are those of config.dataset's built-in data; with "
-                                      "your own data, evaluate your own sets (eval_step.evaluate); set it to ''")
-    self.shift_sets = shifts.eval_sets(config, self.dataset)
-    self.ood_sets = shifts.ood_sets(config, self.dataset)
+
+def device_batches(config: ml_collections.ConfigDict, dataset, spec, mesh, start_step: int):
+  """The run's train batches from ``start_step``, laid out and placed on the devices."""
+  return (layout.put_train_batch(b, spec.num_particles, mesh, dataset.process_local)
+          for b in dataset.train_batches(start_step, config.global_batch_size, config.seed))
+
+
+class Evaluations:
+  """A run's evaluations: the test set, the held-out ``calibration`` set (``hold_out``), the shifted and OOD
+  sets the config names, the final table and the files it writes. ``zoo``: the task is the config's (the
+  export names its model)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, dataset, calibration, task, parts, workdir: str,
+               zoo: bool):
+    self.config, self.dataset, self.calibration, self.task, self.parts = config, dataset, calibration, task, parts
+    self.workdir, self.zoo, self.mesh, self.spec = workdir, zoo, parts.mesh, parts.spec
+    self.shift_sets = shifts.eval_sets(config, dataset)
+    self.ood_sets = shifts.ood_sets(config, dataset)
 
   def fused_bn(self, state, interrupted: Callable[[], bool] = lambda: False):
     """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
@@ -54,26 +68,32 @@ class RunEvaluation:
     n = self.config.fused_bn_batches
     if not n:
       return None
-    return fusion.reestimate_bn(self.parts.fused_bn_fn, state, itertools.islice(self.device_batches(0), n),
+    batches = device_batches(self.config, self.dataset, self.spec, self.mesh, 0)
+    return fusion.reestimate_bn(self.parts.fused_bn_fn, state, itertools.islice(batches, n),
                                 one_program_at_a_time, interrupted)
 
   def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False, source=None) -> dict:
     """Metrics on the test set (or ``source``'s). Each process reads its own part of the set when the
     source can (``eval_process_local``)."""
+    return self._evaluate(state, fused_bn, interrupted, source)[0]
+
+  def _evaluate(self, state, fused_bn, interrupted, source=None) -> tuple[dict, int]:
+    """``(results, examples this process read)``."""
     source = self.dataset if source is None else source
     local = getattr(source, "eval_process_local", False)
     size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh,
                                                 getattr(source, "test_size", None))
-    self.eval_read = 0
+    read = [0]
 
     def counted(batches):
       for batch in batches:
-        self.eval_read += len(next(iter(batch.values())))
+        read[0] += len(next(iter(batch.values())))
         yield batch
-    return eval_step.evaluate(self.task, self.parts.eval_step, state,
-                               counted(source.eval_batches(per_process if local else size)),
-                               size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
-                               process_local=local)
+    results = eval_step.evaluate(self.task, self.parts.eval_step, state,
+                                 counted(source.eval_batches(per_process if local else size)),
+                                 size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
+                                 process_local=local)
+    return results, read[0]
 
   def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
     """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
@@ -100,8 +120,7 @@ class RunEvaluation:
     ``fused_model{suffix}`` (with re-estimated BatchNorm statistics when ``fused_bn_batches`` > 0).
     A file that cannot be written (full disk) is reported and skipped: the table is already printed."""
     fused_bn = self.fused_bn(state, interrupted)
-    results = self.evaluate(state, fused_bn, interrupted)
-    read = self.eval_read
+    results, read = self._evaluate(state, fused_bn, interrupted)
     results.update(self.evaluate_more(state, results, fused_bn, interrupted))
     step = int(state.step)
     size = self.dataset.test_size

@@ -1,5 +1,5 @@
 """``train_and_evaluate(config, workdir)``: a run's assembly, resume, the training loop and progress (its
-evaluations: ``run_eval.RunEvaluation``)."""
+evaluations: ``run_eval.Evaluations``)."""
 from __future__ import annotations
 
 import logging
@@ -101,9 +101,9 @@ def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -
   return skipped
 
 
-class _Run(run_eval.RunEvaluation):
+class _Run:
   """Everything a run needs, built once (shared by training and ``--eval_only``); its evaluations
-  and the final table are ``run_eval.RunEvaluation``'s.
+  and the final table are ``evaluations`` (``run_eval.Evaluations``).
 
   Everything that can refuse the config runs before the workdir is touched. A training run then
   creates the workdir and holds its lock (process 0) until ``close()``; a reading run
@@ -117,8 +117,8 @@ class _Run(run_eval.RunEvaluation):
     validation.validate(config, jax.device_count())
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
-    self.dataset = data if data is not None else create_dataset(config)
-    self.prepare_eval_sets(data_given=data is not None)
+    self.dataset, calibration = run_eval.hold_out(config, data if data is not None else create_dataset(config),
+                                                  data_given=data is not None)
     validation.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
@@ -134,6 +134,8 @@ class _Run(run_eval.RunEvaluation):
     self.optimizer_record = optim.optimizer_record(config, optimizer, self.parts.abstract_state.opt_state)
     self.spec, self.mesh, self.total, self.lr_fn = (self.parts.spec, self.parts.mesh, self.parts.total_steps,
                                                     self.parts.lr_fn)
+    self.evaluations = run_eval.Evaluations(config, self.dataset, calibration, self.task, self.parts, workdir,
+                                            self.zoo)
     if check_only and for_training:
       workdir_lib.check(workdir)
     elif for_training:
@@ -178,11 +180,6 @@ class _Run(run_eval.RunEvaluation):
       log.warning("this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",
                   len(changed), "training continues" if self.for_training else "it is evaluated", "; ".join(changed))
     return state
-
-  def device_batches(self, start_step: int):
-    """This run's train batches from ``start_step``, laid out and placed on the devices."""
-    return (layout.put_train_batch(b, self.spec.num_particles, self.mesh, self.dataset.process_local)
-            for b in self.dataset.train_batches(start_step, self.config.global_batch_size, self.config.seed))
 
   def close(self) -> None:
     if self.lock is not None:
@@ -246,7 +243,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: O
   state = run.restore(ckpt)
   if state is None:
     raise _no_checkpoint(ckpt)
-  return run.finish(state, suffix=f".step{int(state.step)}")
+  return run.evaluations.finish(state, suffix=f".step{int(state.step)}")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None, data=None,
@@ -324,19 +321,21 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
   writer = summary.SummaryWriter(run.workdir)
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
   try:
-    state, stop, newest, save_error = _loop(run, control, ckpt, writer, run.parts.train_step, state, newest,
-                                            interrupted, step_hook)
-    if save_error is not None:
+    training = _Training(run, control, ckpt, writer, state, newest, interrupted, step_hook)
+    try:
+      stop = training.run_steps()
+    except checkpoint_lib.SaveError:
       # Full disk or lost directory: what was saved stays. One process still shows how the unsaved state
       # does; several skip it (the evaluation needs every process, and each may have stopped elsewhere).
       if jax.process_count() == 1:
         log.info("a checkpoint could not be saved; evaluating the state in memory (step %d, not saved)",
-                 int(state.step))
+                 int(training.state.step))
         try:
-          run.finish(state, writer, interrupted=interrupted)
+          run.evaluations.finish(training.state, writer, interrupted=interrupted)
         except InterruptedError:
           pass
-      raise save_error
+      raise
+    state, newest = training.state, training.newest
     saved = newest == int(state.step)
     if stop is not None:
       what = "checkpoint saved" if saved else "checkpoints are off (checkpoint_every_steps=-1): nothing saved"
@@ -345,7 +344,7 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
       raise RunStopped(message, stop.exit_code)
     # ---- final evaluation and export (the last checkpoint is committed) -----------------------
     try:
-      return run.finish(state, writer, interrupted=interrupted)
+      return run.evaluations.finish(state, writer, interrupted=interrupted)
     except InterruptedError:
       stop = control.signal_stop()
       what = ("the checkpoint is saved; rerun the same command to evaluate it" if saved
@@ -357,78 +356,102 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
     writer.close()
 
 
-def _loop(run: _Run, control, ckpt, writer, train_step, state, newest, interrupted, step_hook):
-  """Steps until the last one, an agreed stop or a failed save; returns
-  ``(state, stop or None, newest saved step, SaveError or None)``."""
-  config, spec, mesh, total = run.config, run.spec, run.mesh, run.total
-  start = int(state.step)
-  t_start = t_last = time.perf_counter()
-  last_step = start
-  pending = []  # per-step metrics still on the device, fetched at the next log step
-  stop = save_error = None
-  prefetched = layout.prefetch(run.dataset.train_batches(start, config.global_batch_size, config.seed),
-                               lambda b: layout.put_train_batch(b, spec.num_particles, mesh,
-                                                                run.dataset.process_local))
-  batches = _until_exhausted(prefetched, run.dataset.name, start)
-  try:
-    for step in range(start, total):
-      batch = next(batches)
-      if step_hook is not None:
-        state, batch = step_hook(step, state, batch)
-      state, m = one_program_at_a_time(train_step(state, batch))
-      pending.append(m)
-      done = step + 1
-      log_step = done % config.log_every_steps == 0 or done == total
-      if log_step:
-        fetched = jax.device_get(pending)
-        pending = []
-        skipped = _check_finite(state, spec.num_particles, done, newest)
-        now = time.perf_counter()
-        rate = (done - last_step) / (now - t_last)
-        for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
-          writer.train_step(k, mk)
-        _log_progress(run, state, fetched[-1], writer, done, start, rate, skipped)
-        t_last, last_step = now, done
-      stop, save_now = control.at_step(done, log_step)
-      periodic = config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
-      if ckpt is not None:
-        try:
-          ckpt.poll()  # a failed background save stops the run at once
-          if done == total or periodic or save_now or stop is not None:
-            _check_finite(state, spec.num_particles, done, newest)
-            ckpt.save(done, state, config)
-            control.saved()
-            newest = done
-        except checkpoint_lib.SaveError as e:
-          log.error("stopping at step %d: %s", done, e)
-          ckpt.abandon()
-          return state, None, ckpt.latest_step(), e
-      if stop is not None:
-        break
-      if config.eval_every_steps and done % config.eval_every_steps == 0 and done != total:
-        try:
-          results = run.evaluate(state, run.fused_bn(state, interrupted), interrupted)
-        except InterruptedError:
-          continue  # the stop is taken after the next step
-        writer.eval_results(done, results)
-        log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done,
-                 100 * results["ensemble"]["accuracy"], 100 * results["fused"]["accuracy"])
-  finally:
-    prefetched.close()
-  if ckpt is not None:
+class _Training:
+  """The step loop of one run. ``run_steps()`` trains until the last step or an agreed stop and returns the
+  stop (or None); a failed save raises ``SaveError`` where it happens, after abandoning the checkpointer.
+  ``state`` and ``newest`` (the newest saved step) are the loop's, for its caller to read after either."""
+
+  def __init__(self, run: _Run, control, ckpt, writer, state, newest, interrupted, step_hook):
+    self.run, self.control, self.ckpt, self.writer = run, control, ckpt, writer
+    self.state, self.newest, self.interrupted, self.step_hook = state, newest, interrupted, step_hook
+    self.start = int(state.step)
+
+  def run_steps(self):
+    run, config = self.run, self.run.config
+    t_start = time.perf_counter()
+    self._clock = (t_start, self.start)  # (time, step) of the last progress line
+    pending = []  # per-step metrics still on the device, fetched at the next log step
+    stop = None
+    prefetched = layout.prefetch(run.dataset.train_batches(self.start, config.global_batch_size, config.seed),
+                                 lambda b: layout.put_train_batch(b, run.spec.num_particles, run.mesh,
+                                                                  run.dataset.process_local))
+    batches = _until_exhausted(prefetched, run.dataset.name, self.start)
     try:
-      ckpt.close()  # the newest checkpoint is committed before anything else happens
+      for step in range(self.start, run.total):
+        batch = next(batches)
+        if self.step_hook is not None:
+          self.state, batch = self.step_hook(step, self.state, batch)
+        self.state, m = one_program_at_a_time(run.parts.train_step(self.state, batch))
+        pending.append(m)
+        done = step + 1
+        log_step = done % config.log_every_steps == 0 or done == run.total
+        if log_step:
+          self._log(done, jax.device_get(pending))
+          pending = []
+        stop, save_now = self.control.at_step(done, log_step)
+        self._save_if_due(done, save_now or stop is not None)
+        if stop is not None:
+          break
+        self._evaluate_if_due(done)
+    finally:
+      prefetched.close()
+    if self.ckpt is not None:
+      self._saving(int(self.state.step), self.ckpt.close)  # the newest checkpoint is committed before anything else
+    self.writer.flush()
+    done, elapsed = int(self.state.step), time.perf_counter() - t_start
+    if done > self.start:
+      log.info("trained %d steps in %s (%.1f steps/s)", done - self.start, _fmt_time(elapsed),
+               (done - self.start) / max(elapsed, 1e-9))
+    return stop
+
+  def _log(self, done: int, fetched: list) -> None:
+    skipped = _check_finite(self.state, self.run.spec.num_particles, done, self.newest)
+    (t_last, last_step), now = self._clock, time.perf_counter()
+    for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
+      self.writer.train_step(k, mk)
+    _log_progress(self.run, self.state, fetched[-1], self.writer, done, self.start, (done - last_step) / (now - t_last),
+                  skipped)
+    self._clock = (now, done)
+
+  def _save_if_due(self, done: int, requested: bool) -> None:
+    """A background save's failure stops the run at once (``poll``); a save at the last step, a periodic one,
+    or one the stop control asks for."""
+    if self.ckpt is None:
+      return
+    config = self.run.config
+    periodic = config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
+
+    def save():
+      self.ckpt.poll()
+      if done == self.run.total or periodic or requested:
+        _check_finite(self.state, self.run.spec.num_particles, done, self.newest)
+        self.ckpt.save(done, self.state, config)
+        self.control.saved()
+        self.newest = done
+
+    self._saving(done, save)
+
+  def _saving(self, step: int, operation) -> None:
+    try:
+      operation()
     except checkpoint_lib.SaveError as e:
-      log.error("stopping at step %d: %s", int(state.step), e)
-      ckpt.abandon()
-      return state, None, ckpt.latest_step(), e
-  writer.flush()
-  done = int(state.step)
-  if done > start:
-    elapsed = time.perf_counter() - t_start
-    log.info("trained %d steps in %s (%.1f steps/s)", done - start, _fmt_time(elapsed),
-             (done - start) / max(elapsed, 1e-9))
-  return state, stop, newest, save_error
+      log.error("stopping at step %d: %s", step, e)
+      self.ckpt.abandon()
+      self.newest = self.ckpt.latest_step()
+      raise
+
+  def _evaluate_if_due(self, done: int) -> None:
+    every = self.run.config.eval_every_steps
+    if not every or done % every or done == self.run.total:
+      return
+    evals = self.run.evaluations
+    try:
+      results = evals.evaluate(self.state, evals.fused_bn(self.state, self.interrupted), self.interrupted)
+    except InterruptedError:
+      return  # the stop is taken after the next step
+    self.writer.eval_results(done, results)
+    log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done,
+             100 * results["ensemble"]["accuracy"], 100 * results["fused"]["accuracy"])
 
 
 def _until_exhausted(batches, name: str, start: int):
