@@ -10,6 +10,7 @@ config.time_limit_minutes; 130 stopped by SIGINT; 143 stopped by SIGTERM or a
 preemption notice (multi-process runs: any signal). After 75, 130 and 143 a checkpoint is saved: rerun the same
 command to resume.
 """
+
 from ipf_jax.runtime import cli
 
 if __name__ == "__main__":

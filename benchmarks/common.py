@@ -1,4 +1,5 @@
 """Shared pieces of the benchmarks: build a train step from a config, synthetic batches, timing."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,25 +29,33 @@ class Bench:
     self.image_shape = tuple(image_shape)
     self.num_classes = num_classes
     example = {"image": np.zeros((1,) + self.image_shape, np.float32), "label": np.zeros((1,), np.int32)}
-    self.parts = build_lib.build(config, build_lib.zoo_task(config, num_classes), example, spec=spec,
-                                 exchange=exchange)
-    self.mesh, self.spec, self.tx, self.abstract, self.init = (self.parts.mesh, self.parts.spec, self.parts.tx,
-                                                               self.parts.abstract_state, self.parts.init_state)
+    self.parts = build_lib.build(config, build_lib.zoo_task(config, num_classes), example, spec=spec, exchange=exchange)
+    self.mesh, self.spec, self.tx, self.abstract, self.init = (
+      self.parts.mesh,
+      self.parts.spec,
+      self.parts.tx,
+      self.parts.abstract_state,
+      self.parts.init_state,
+    )
     self.model = self.parts.task.model
     self.train_step = self.parts.train_step
 
   def synthetic_batch(self, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     g = self.config.global_batch_size
-    batch = {"image": rng.normal(size=(g,) + tuple(self.image_shape)).astype(dtype),
-             "label": rng.integers(0, self.num_classes, size=g).astype(np.int32)}
+    batch = {
+      "image": rng.normal(size=(g,) + tuple(self.image_shape)).astype(dtype),
+      "label": rng.integers(0, self.num_classes, size=g).astype(np.int32),
+    }
     return layout.put_train_batch(batch, self.config.num_particles, self.mesh)
 
   def batch_abstract(self):
     g, p = self.config.global_batch_size, self.config.num_particles
     shapes = {"image": ((p, g // p) + tuple(self.image_shape), jnp.float32), "label": ((p, g // p), jnp.int32)}
-    return {k: jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(self.mesh, layout.TRAIN_BATCH_SPEC))
-            for k, (s, d) in shapes.items()}
+    return {
+      k: jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(self.mesh, layout.TRAIN_BATCH_SPEC))
+      for k, (s, d) in shapes.items()
+    }
 
   def compiled(self):
     return self.train_step.lower(self.abstract, self.batch_abstract()).compile()
@@ -56,11 +65,14 @@ def memory_mib(compiled) -> dict:
   """Per-device sizes from XLA's ``memory_analysis()`` in MiB;
   ``peak`` = arguments + outputs + temporaries - aliased."""
   m = compiled.memory_analysis()
-  mib = lambda b: b / 2 ** 20
-  return {"arguments": mib(m.argument_size_in_bytes), "outputs": mib(m.output_size_in_bytes),
-          "temporaries": mib(m.temp_size_in_bytes), "aliased": mib(m.alias_size_in_bytes),
-          "peak": mib(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                      - m.alias_size_in_bytes)}
+  mib = lambda b: b / 2**20
+  return {
+    "arguments": mib(m.argument_size_in_bytes),
+    "outputs": mib(m.output_size_in_bytes),
+    "temporaries": mib(m.temp_size_in_bytes),
+    "aliased": mib(m.alias_size_in_bytes),
+    "peak": mib(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes),
+  }
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -102,8 +114,11 @@ def study_parser(doc: str, seeds: int = 3, methods: tuple = ()) -> argparse.Argu
   parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--seeds", type=int, default=seeds)
   parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--cnn_features", default="", help="e.g. 4,8: a smaller CNN than the digits config's "
-                      "(smoke runs; the tables use the config's)")
+  parser.add_argument(
+    "--cnn_features",
+    default="",
+    help="e.g. 4,8: a smaller CNN than the digits config's (smoke runs; the tables use the config's)",
+  )
   if methods:
     parser.add_argument("--methods", default=",".join(methods))
   return parser
@@ -114,8 +129,16 @@ def base_overrides(args) -> dict:
   return {"cnn_features": tuple(int(f) for f in args.cnn_features.split(","))} if args.cnn_features else {}
 
 
-def digits_study(name: str, variants: dict, row: Callable[[dict, dict], dict], seeds: int, steps: int,
-                 columns: list[tuple[str, float, str]], note: str = "", base: dict | None = None) -> dict:
+def digits_study(
+  name: str,
+  variants: dict,
+  row: Callable[[dict, dict], dict],
+  seeds: int,
+  steps: int,
+  columns: list[tuple[str, float, str]],
+  note: str = "",
+  base: dict | None = None,
+) -> dict:
   """Trains the digits config once per (variant, seed) in this process and prints a markdown table
   of ``row(eval_results, tensorboard_scalars)`` (mean ± std over seeds; a column missing from a
   variant's rows shows "–") and ``SUMMARY {json}``. ``variants``: name -> config overrides;
@@ -142,16 +165,24 @@ def digits_study(name: str, variants: dict, row: Callable[[dict, dict], dict], s
         workdir = os.path.join(tmp, f"{len(table)}-{seed}")
         results = trainer.train_and_evaluate(config, workdir)
         runs.append(row(results, report.read_scalars(workdir)))
-      table[variant] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs])))
-                        for k in runs[0]}
+      table[variant] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs]))) for k in runs[0]}
       print(f"done {variant}", flush=True)
-  print(f"\n{seeds} seeds, {steps} steps, digits config (8 particles, batch 128), mean ± std"
-        + (f"; {note}" if note else "") + "\n")
+  print(
+    f"\n{seeds} seeds, {steps} steps, digits config (8 particles, batch 128), mean ± std"
+    + (f"; {note}" if note else "")
+    + "\n"
+  )
   print("| variant | " + " | ".join(c for c, _, _ in columns) + " |")
   print("|" + "---|" * (len(columns) + 1))
   for variant, r in table.items():
     cells = [f"{s * r[c][0]:{f}} ± {s * r[c][1]:{f}}" if c in r else "–" for c, s, f in columns]
     print(f"| {variant} | " + " | ".join(cells) + " |")
-  print_summary({"benchmark": name, "seeds": seeds, "steps": steps,
-                 "results": {v: {k: m for k, (m, _) in r.items()} for v, r in table.items()}})
+  print_summary(
+    {
+      "benchmark": name,
+      "seeds": seeds,
+      "steps": steps,
+      "results": {v: {k: m for k, (m, _) in r.items()} for v, r in table.items()},
+    }
+  )
   return table

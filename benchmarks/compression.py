@@ -13,6 +13,7 @@
 2. Trains digits (300 steps) with and without compression for each seed and
    reports fused/ensemble test accuracy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,23 @@ from benchmarks.common import Bench, print_summary, print_table  # noqa: E402
 from configs import digits  # noqa: E402
 from ipf_jax.runtime import trainer  # noqa: E402
 
-DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8,
-               "u64": 8}
-COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-reduce|all-to-all|all-gather|collective-permute|reduce-scatter)"
-                        r"(?:-start)?\(")
+DTYPE_BYTES = {
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "bf16": 2,
+  "f16": 2,
+  "s8": 1,
+  "u8": 1,
+  "pred": 1,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+}
+COLLECTIVE = re.compile(
+  r"=\s*(.*?)\s(all-reduce|all-to-all|all-gather|collective-permute|reduce-scatter)"
+  r"(?:-start)?\("
+)
 SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
@@ -45,8 +59,9 @@ def collective_bytes(hlo: str) -> dict:
     if not m:
       continue
     result, op = m.group(1), m.group(2)
-    size = sum(DTYPE_BYTES[d] * int(np.prod([int(x) for x in dims.split(",") if x] or [1]))
-               for d, dims in SHAPE.findall(result))
+    size = sum(
+      DTYPE_BYTES[d] * int(np.prod([int(x) for x in dims.split(",") if x] or [1])) for d, dims in SHAPE.findall(result)
+    )
     groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
     n = len(groups.group(1).split(",")) if groups else jax.device_count()
     # A ring all-reduce sends 2(n-1)/n of its buffer, all-gather/all-to-all/reduce-scatter (n-1)/n (a
@@ -83,11 +98,20 @@ def main():
   exact = step_bytes(False, 0.5, args.model)
   comp = step_bytes(True, 0.5, args.model)
   rows = []
-  for name, b in (("lambda=0 (no correction)", base), ("lambda=0.5 exact psum", exact),
-                  ("lambda=0.5 int8 compressed", comp)):
+  for name, b in (
+    ("lambda=0 (no correction)", base),
+    ("lambda=0.5 exact psum", exact),
+    ("lambda=0.5 int8 compressed", comp),
+  ):
     total = sum(b.values())
-    rows.append({"step": name, **{k: b.get(k, 0.0) / 1e3 for k in ("all-reduce", "all-to-all", "all-gather")},
-                 "total_kB": total / 1e3, "correction_kB": (total - sum(base.values())) / 1e3})
+    rows.append(
+      {
+        "step": name,
+        **{k: b.get(k, 0.0) / 1e3 for k in ("all-reduce", "all-to-all", "all-gather")},
+        "total_kB": total / 1e3,
+        "correction_kB": (total - sum(base.values())) / 1e3,
+      }
+    )
   corr_exact = sum(exact.values()) - sum(base.values())
   corr_comp = sum(comp.values()) - sum(base.values())
   print(f"\n1. Bytes sent per device per step by collectives ({args.model}, 8 particles on 8 devices), kB")
@@ -103,14 +127,27 @@ def main():
   for compress in (False, True):
     f = np.array([a["fused"] for a in acc[compress]]) * 100
     e = np.array([a["ensemble"] for a in acc[compress]]) * 100
-    rows.append({"correction": "compressed" if compress else "exact", "fused_acc": f"{f.mean():.2f} ± {f.std():.2f}",
-                 "ensemble_acc": f"{e.mean():.2f} ± {e.std():.2f}"})
+    rows.append(
+      {
+        "correction": "compressed" if compress else "exact",
+        "fused_acc": f"{f.mean():.2f} ± {f.std():.2f}",
+        "ensemble_acc": f"{e.mean():.2f} ± {e.std():.2f}",
+      }
+    )
   print(f"\n2. Digits test accuracy, {args.seeds} seeds, digits config (300 steps)")
   print_table(rows, ["correction", "fused_acc", "ensemble_acc"])
   diff = np.mean([a["fused"] for a in acc[True]]) - np.mean([a["fused"] for a in acc[False]])
-  print_summary({"benchmark": "compression", "model": args.model, "correction_bytes_exact": corr_exact,
-                 "correction_bytes_compressed": corr_comp, "bytes_ratio": corr_exact / corr_comp,
-                 "fused_accuracy_difference_points": float(100 * diff), "seeds": args.seeds})
+  print_summary(
+    {
+      "benchmark": "compression",
+      "model": args.model,
+      "correction_bytes_exact": corr_exact,
+      "correction_bytes_compressed": corr_comp,
+      "bytes_ratio": corr_exact / corr_comp,
+      "fused_accuracy_difference_points": float(100 * diff),
+      "seeds": args.seeds,
+    }
+  )
 
 
 if __name__ == "__main__":

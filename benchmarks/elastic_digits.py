@@ -10,6 +10,7 @@ weighted ensemble's test accuracy and NLL, and the mean particle distance to
 the fused parameters at the end. Prints a markdown table and ``SUMMARY
 {json}``. A benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,19 +24,38 @@ ALPHAS = (0.0, 0.05, 0.2)
 
 
 def row(results, scalars):
-  return {"fused_acc": results["fused"]["accuracy"], "ens_acc": results["ensemble"]["accuracy"],
-          "fused_nll": results["fused"]["nll"], "ens_nll": results["ensemble"]["nll"],
-          "diversity": float(scalars["train/diversity"][1][-1])}
+  return {
+    "fused_acc": results["fused"]["accuracy"],
+    "ens_acc": results["ensemble"]["accuracy"],
+    "fused_nll": results["fused"]["nll"],
+    "ens_nll": results["ensemble"]["nll"],
+    "diversity": float(scalars["train/diversity"][1][-1]),
+  }
 
 
 def main():
   parser = study_parser(__doc__)
   args = parser.parse_args()
-  variants = {f"{data}, alpha {alpha}": {**overrides, "elastic_pull": alpha}
-              for data, overrides in DATA.items() for alpha in ALPHAS}
-  digits_study("elastic_digits", variants, row, args.seeds, args.steps,
-               [("fused_acc", 100, ".2f"), ("ens_acc", 100, ".2f"), ("fused_nll", 1, ".4f"), ("ens_nll", 1, ".4f"),
-                ("diversity", 1, ".3f")], base=base_overrides(args))
+  variants = {
+    f"{data}, alpha {alpha}": {**overrides, "elastic_pull": alpha}
+    for data, overrides in DATA.items()
+    for alpha in ALPHAS
+  }
+  digits_study(
+    "elastic_digits",
+    variants,
+    row,
+    args.seeds,
+    args.steps,
+    [
+      ("fused_acc", 100, ".2f"),
+      ("ens_acc", 100, ".2f"),
+      ("fused_nll", 1, ".4f"),
+      ("ens_nll", 1, ".4f"),
+      ("diversity", 1, ".3f"),
+    ],
+    base=base_overrides(args),
+  )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ most ``filter.BUCKET_BYTES``). Steps are ipf with ``resample_every=1`` (about 3 
 P = 8 on 8 devices); medians of repeated steps in alternating rounds, each ÷ the ensemble step
 measured in the same process; peak memory from ``memory_analysis()``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,15 +40,24 @@ def main():
   for b in args.buckets.split(","):
     name = f"rounds, bucket {b}"
     exchange = pf.exchange_rounds if b == "auto" else functools.partial(pf.exchange_rounds, bucket_bytes=int(b))
-    variants[name] = Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1), args,
-                           exchange=exchange)
+    variants[name] = Timed(
+      config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1), args, exchange=exchange
+    )
     peaks[name] = memory_mib(variants[name].bench.compiled())["peak"]
   t = measure(variants, args.repeats, args.rounds)
-  print_table([{"variant": k, "step_ms": 1e3 * v, "vs ensemble": v / t["ensemble"], "peak_MiB": peaks[k]}
-               for k, v in t.items()], ["variant", "step_ms", "vs ensemble", "peak_MiB"])
-  print_summary({"benchmark": "exchange_buckets", "model": args.model, "devices": p,
-                 "over_ensemble": {k: v / t["ensemble"] for k, v in t.items()},
-                 "peak_mib": peaks})
+  print_table(
+    [{"variant": k, "step_ms": 1e3 * v, "vs ensemble": v / t["ensemble"], "peak_MiB": peaks[k]} for k, v in t.items()],
+    ["variant", "step_ms", "vs ensemble", "peak_MiB"],
+  )
+  print_summary(
+    {
+      "benchmark": "exchange_buckets",
+      "model": args.model,
+      "devices": p,
+      "over_ensemble": {k: v / t["ensemble"] for k, v in t.items()},
+      "peak_mib": peaks,
+    }
+  )
 
 
 if __name__ == "__main__":

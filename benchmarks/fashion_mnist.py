@@ -24,6 +24,7 @@ row is appended to ``--out`` (JSON lines) as soon as it ends, so a stopped study
 keeps what it measured; ``--resume`` skips the rows already there. A
 benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,35 +49,48 @@ from ipf_jax.runtime import trainer
 # single-model columns are not comparable.
 DIGITS_BEST = dict(mode="ipf", correction=0.0, islands=4, init="independent", jitter_lr=0.3, ess_threshold=0.75)
 METHODS = {
-    "ddp": dict(mode="ddp", num_particles=1),
-    "deep ensemble": dict(mode="ensemble", num_particles=8),
-    "ipf (defaults)": dict(mode="ipf"),
-    "ipf digits' most diverse": DIGITS_BEST,
-    # the algorithm's levers, one at a time and combined
-    "ipf ess_target=0.5": dict(mode="ipf", ess_target=0.5),
-    "ipf temperature=1": dict(mode="ipf", temperature=1.0),
-    "ipf correction=1": dict(mode="ipf", correction=1.0),
-    "ipf correction=1 + ess_target=0.5": dict(mode="ipf", correction=1.0, ess_target=0.5),
-    "ipf correction=0.9 + ess_target=0.5": dict(mode="ipf", correction=0.9, ess_target=0.5),
-    "ipf lr for the particle's batch (reference_batch_size=2048)": dict(mode="ipf", reference_batch_size=2048),
-    # diagnostics: tau = 0 keeps the weights uniform (no resampling) and lambda = 1 gives every particle the
-    # mean gradient, so the particles stay one model: DDP whose BatchNorm normalises over each particle's 16
-    # examples ("ghost" batches) instead of SyncBN's 128
-    "ddp with BatchNorm per particle (ipf temperature=0 + correction=1)": dict(mode="ipf", temperature=0.0,
-                                                                               correction=1.0),
-    "ipf correction=1 + ess_target=0.5 + weigh_on=common": dict(mode="ipf", correction=1.0, ess_target=0.5,
-                                                               weigh_on="common"),
-    "ipf correction=1 + ess_target=0.9": dict(mode="ipf", correction=1.0, ess_target=0.9),
-    "ipf elastic_pull=0.1": dict(mode="ipf", elastic_pull=0.1),
-    "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
-    "ipf ess_threshold=0.1": dict(mode="ipf", ess_threshold=0.1),
-    "ipf jitter_lr=0.3": dict(mode="ipf", jitter_lr=0.3),
-    "ipf islands=4 (ess_threshold=0.9)": dict(mode="ipf", islands=4, ess_threshold=0.9),
+  "ddp": dict(mode="ddp", num_particles=1),
+  "deep ensemble": dict(mode="ensemble", num_particles=8),
+  "ipf (defaults)": dict(mode="ipf"),
+  "ipf digits' most diverse": DIGITS_BEST,
+  # the algorithm's levers, one at a time and combined
+  "ipf ess_target=0.5": dict(mode="ipf", ess_target=0.5),
+  "ipf temperature=1": dict(mode="ipf", temperature=1.0),
+  "ipf correction=1": dict(mode="ipf", correction=1.0),
+  "ipf correction=1 + ess_target=0.5": dict(mode="ipf", correction=1.0, ess_target=0.5),
+  "ipf correction=0.9 + ess_target=0.5": dict(mode="ipf", correction=0.9, ess_target=0.5),
+  "ipf lr for the particle's batch (reference_batch_size=2048)": dict(mode="ipf", reference_batch_size=2048),
+  # diagnostics: tau = 0 keeps the weights uniform (no resampling) and lambda = 1 gives every particle the
+  # mean gradient, so the particles stay one model: DDP whose BatchNorm normalises over each particle's 16
+  # examples ("ghost" batches) instead of SyncBN's 128
+  "ddp with BatchNorm per particle (ipf temperature=0 + correction=1)": dict(
+    mode="ipf", temperature=0.0, correction=1.0
+  ),
+  "ipf correction=1 + ess_target=0.5 + weigh_on=common": dict(
+    mode="ipf", correction=1.0, ess_target=0.5, weigh_on="common"
+  ),
+  "ipf correction=1 + ess_target=0.9": dict(mode="ipf", correction=1.0, ess_target=0.9),
+  "ipf elastic_pull=0.1": dict(mode="ipf", elastic_pull=0.1),
+  "ipf weigh_on=common": dict(mode="ipf", weigh_on="common"),
+  "ipf ess_threshold=0.1": dict(mode="ipf", ess_threshold=0.1),
+  "ipf jitter_lr=0.3": dict(mode="ipf", jitter_lr=0.3),
+  "ipf islands=4 (ess_threshold=0.9)": dict(mode="ipf", islands=4, ess_threshold=0.9),
 }
-COLUMNS = [("ens_acc", 100, ".2f"), ("single_acc", 100, ".2f"), ("ens_nll", 1, ".3f"), ("single_nll", 1, ".3f"),
-           ("ens_ece", 1, ".3f"), ("ens_brier", 1, ".3f"), ("shift_ens_acc", 100, ".1f"), ("shift_ens_ece", 1, ".3f"),
-           ("ood_digits", 1, ".3f"), ("ood_photos", 1, ".3f"), ("disagreement", 1, ".3f"),
-           ("resample_rate", 1, ".2f"), ("loss_std", 1, ".3f")]
+COLUMNS = [
+  ("ens_acc", 100, ".2f"),
+  ("single_acc", 100, ".2f"),
+  ("ens_nll", 1, ".3f"),
+  ("single_nll", 1, ".3f"),
+  ("ens_ece", 1, ".3f"),
+  ("ens_brier", 1, ".3f"),
+  ("shift_ens_acc", 100, ".1f"),
+  ("shift_ens_ece", 1, ".3f"),
+  ("ood_digits", 1, ".3f"),
+  ("ood_photos", 1, ".3f"),
+  ("disagreement", 1, ".3f"),
+  ("resample_rate", 1, ".2f"),
+  ("loss_std", 1, ".3f"),
+]
 
 
 TRAIN_SIZE = 60_000
@@ -110,25 +124,37 @@ def run_one(args, method: str, seed: int, workdir: str) -> dict:
   r = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - t
   scalars = report.read_scalars(workdir)
-  single = ({m: float(np.nanmean(r["particles"][m])) for m in ("accuracy", "nll")} if config.mode == "ensemble"
-            else r["fused"])
+  single = (
+    {m: float(np.nanmean(r["particles"][m])) for m in ("accuracy", "nll")} if config.mode == "ensemble" else r["fused"]
+  )
   shifted = r["shifts"].values()
   resamples = scalars.get("train/resamples", (None, [0.0]))[1]
   loss_steps, loss = scalars["train/loss"]
   tail = np.asarray(loss)[np.asarray(loss_steps) > 0.6 * steps]
   curve_steps, curve = scalars.get("eval/ensemble/accuracy", ([], []))
-  row = {"method": method, "seed": seed, "steps": steps, "batch": args.batch, "epochs": args.epochs,
-          "seconds": seconds,
-          "ens_acc": r["ensemble"]["accuracy"], "single_acc": single["accuracy"], "ens_nll": r["ensemble"]["nll"],
-          "single_nll": single["nll"], "ens_ece": r["ensemble"]["ece"], "ens_brier": r["ensemble"]["brier"],
-          "shift_ens_acc": float(np.mean([s["ensemble"]["accuracy"] for s in shifted])),
-          "shift_ens_ece": float(np.mean([s["ensemble"]["ece"] for s in shifted])),
-          "ood_digits": float(r["ood_sets"]["digits"]["ensemble"]["auroc_max_prob"]),
-          "ood_photos": float(r["ood_sets"]["photos"]["ensemble"]["auroc_max_prob"]),
-          "disagreement": float(r.get("diversity", {}).get("disagreement", 0.0)),
-          "resample_rate": float(resamples[-1]) / steps, "loss_std": float(np.std(tail)),
-          "curve": [[int(s), float(a)] for s, a in zip(curve_steps, curve) if int(s) < steps]
-          + [[steps, r["ensemble"]["accuracy"]]]}
+  row = {
+    "method": method,
+    "seed": seed,
+    "steps": steps,
+    "batch": args.batch,
+    "epochs": args.epochs,
+    "seconds": seconds,
+    "ens_acc": r["ensemble"]["accuracy"],
+    "single_acc": single["accuracy"],
+    "ens_nll": r["ensemble"]["nll"],
+    "single_nll": single["nll"],
+    "ens_ece": r["ensemble"]["ece"],
+    "ens_brier": r["ensemble"]["brier"],
+    "shift_ens_acc": float(np.mean([s["ensemble"]["accuracy"] for s in shifted])),
+    "shift_ens_ece": float(np.mean([s["ensemble"]["ece"] for s in shifted])),
+    "ood_digits": float(r["ood_sets"]["digits"]["ensemble"]["auroc_max_prob"]),
+    "ood_photos": float(r["ood_sets"]["photos"]["ensemble"]["auroc_max_prob"]),
+    "disagreement": float(r.get("diversity", {}).get("disagreement", 0.0)),
+    "resample_rate": float(resamples[-1]) / steps,
+    "loss_std": float(np.std(tail)),
+    "curve": [[int(s), float(a)] for s, a in zip(curve_steps, curve) if int(s) < steps]
+    + [[steps, r["ensemble"]["accuracy"]]],
+  }
   return json.loads(json.dumps(row, default=float))  # numpy and jax scalars as floats
 
 
@@ -163,8 +189,10 @@ def table(rows: list[dict]) -> str:
 
 def picture(rows: list[dict], path: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(7, 4.5))
   by_method = {}
   for r in rows:
@@ -191,8 +219,11 @@ def main():
   parser.add_argument("--epochs", type=float, default=5.0)
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--steps", type=int, default=0, help="train this many steps instead (smoke runs)")
-  parser.add_argument("--methods", default="ddp,deep ensemble,ipf (defaults),ipf digits' most diverse",
-                      help="a comma list of: " + ", ".join(METHODS))
+  parser.add_argument(
+    "--methods",
+    default="ddp,deep ensemble,ipf (defaults),ipf digits' most diverse",
+    help="a comma list of: " + ", ".join(METHODS),
+  )
   parser.add_argument("--shift_examples", type=int, default=500)
   parser.add_argument("--eval_every_epochs", type=float, default=1.0, help="0: only at the end (no curve)")
   parser.add_argument("--cnn_features", default="", help="e.g. 4,8 (smoke runs; the tables use the config's)")
@@ -221,13 +252,18 @@ def main():
         if args.out:
           with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"done {method} seed {seed}: ens_acc {100 * row['ens_acc']:.2f}% single {100 * row['single_acc']:.2f}% "
-              f"in {row['seconds']:.0f} s", flush=True)
+        print(
+          f"done {method} seed {seed}: ens_acc {100 * row['ens_acc']:.2f}% single {100 * row['single_acc']:.2f}% "
+          f"in {row['seconds']:.0f} s",
+          flush=True,
+        )
   rows = [r for r in rows if r["method"] in joined]
-  print(f"\nFashion-MNIST, {args.epochs:g} epochs, global batch {args.batch}, 8 CPU devices, mean ± std over seeds; "
-        f"shift = the 25 corrupted sets (first {args.shift_examples} test images each); OOD AUROC by the "
-        "ensemble's max probability; reach_ddp = first evaluated fraction of the run at which the ensemble "
-        "reaches DDP's final accuracy\n")
+  print(
+    f"\nFashion-MNIST, {args.epochs:g} epochs, global batch {args.batch}, 8 CPU devices, mean ± std over seeds; "
+    f"shift = the 25 corrupted sets (first {args.shift_examples} test images each); OOD AUROC by the "
+    "ensemble's max probability; reach_ddp = first evaluated fraction of the run at which the ensemble "
+    "reaches DDP's final accuracy\n"
+  )
   print(table(rows))
   if args.picture:
     picture(rows, args.picture)

@@ -13,6 +13,7 @@ placed on the devices, then the step; no prefetch thread). Rounds alternate
 has the median over rounds and the ratio (a) / (b), the pipeline's headroom
 (target >= 2). A benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,9 @@ def main():
   for name in args.configs.split(","):
     config = importlib.import_module(f"configs.{name}").get_config()
     config.data_dir = args.data_dir
-    ds = tfds_input.TFDSDataset(config.dataset, config.data_dir, config.image_size,
-                                shuffle_buffer=config.shuffle_buffer, small_images=True)
+    ds = tfds_input.TFDSDataset(
+      config.dataset, config.data_dir, config.image_size, shuffle_buffer=config.shuffle_buffer, small_images=True
+    )
     config.num_cpu_devices = 0  # the forced 8 above
     bench = Bench(config, ds.image_shape, ds.num_classes)
     bench.state = bench.init()
@@ -92,9 +94,18 @@ def main():
       rates["step"].append(step_rate(bench, repeats))
       rates["together"].append(together_rate(bench, ds, n, seed=r))
     med = {k: float(np.median(v)) for k, v in rates.items()}
-    rows.append({"config": name, "model": config.model, "batch": config.global_batch_size,
-                 "pipeline_img_s": med["pipeline"], "step_img_s": med["step"], "together_img_s": med["together"],
-                 "pipeline/step": med["pipeline"] / med["step"], "rounds": str([round(x) for x in rates["pipeline"]])})
+    rows.append(
+      {
+        "config": name,
+        "model": config.model,
+        "batch": config.global_batch_size,
+        "pipeline_img_s": med["pipeline"],
+        "step_img_s": med["step"],
+        "together_img_s": med["together"],
+        "pipeline/step": med["pipeline"] / med["step"],
+        "rounds": str([round(x) for x in rates["pipeline"]]),
+      }
+    )
     print(f"done {name}", flush=True)
   print(f"\n{jax.device_count()} CPU devices, {os.cpu_count()} cores; images/s, median of {args.rounds} rounds\n")
   print_table(rows, ["config", "model", "batch", "pipeline_img_s", "step_img_s", "together_img_s", "pipeline/step"])

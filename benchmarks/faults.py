@@ -11,6 +11,7 @@ the step the rerun resumed from), silent restarts (a rerun that started from
 step 0 while checkpoints existed), and for a peer killed in a 2-process run the
 seconds until the survivor exited.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,24 @@ from tests import helpers
 
 STEPS, EVERY = 40, 10
 FLAGS = (f"--config.num_train_steps={STEPS}", f"--config.checkpoint_every_steps={EVERY}", "--config.log_every_steps=1")
-TWO_HOSTS = ("--config.num_particles=4", "--config.particle_axis_size=2", "--config.num_cpu_devices=2",
-             "--peer_timeout=30")
-KINDS = ("sigkill", "sigkill_saving", "sigterm", "sigint", "truncate", "delete", "concurrent", "config_change",
-         "full_disk", "peer_killed")
+TWO_HOSTS = (
+  "--config.num_particles=4",
+  "--config.particle_axis_size=2",
+  "--config.num_cpu_devices=2",
+  "--peer_timeout=30",
+)
+KINDS = (
+  "sigkill",
+  "sigkill_saving",
+  "sigterm",
+  "sigint",
+  "truncate",
+  "delete",
+  "concurrent",
+  "config_change",
+  "full_disk",
+  "peer_killed",
+)
 
 
 def last_step(out: str) -> int:
@@ -50,8 +65,11 @@ def resumed_from(out: str) -> int:
 def finished(workdir, argv, outputs, limit=4):
   """Reruns ``argv`` until it exits 0 (at most ``limit`` times); appends each output."""
   for _ in range(limit):
-    had_checkpoints = any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints"))) \
-        if os.path.isdir(os.path.join(workdir, "checkpoints")) else False
+    had_checkpoints = (
+      any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints")))
+      if os.path.isdir(os.path.join(workdir, "checkpoints"))
+      else False
+    )
     run = helpers.Running(argv)
     rc, out = run.finish(timeout=600)
     outputs.append((out, had_checkpoints))
@@ -116,8 +134,11 @@ def one_fault(kind, rng, base, reference, two_host_reference):
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
     changed = helpers.Running(helpers.train_py_argv(workdir, *FLAGS, "--config.cnn_features=(16,64,128)"))
     rc2, out2 = changed.finish(timeout=300)
-    record["change_refused"] = (rc2 == 1 and "does not fit this run's state" in out2
-                                and sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before)
+    record["change_refused"] = (
+      rc2 == 1
+      and "does not fit this run's state" in out2
+      and sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
+    )
   elif kind == "full_disk":
     mount = os.path.join(workdir, "mnt")
     os.mkdir(mount)
@@ -127,8 +148,9 @@ def one_fault(kind, rng, base, reference, two_host_reference):
       run = helpers.Running(helpers.train_py_argv(os.path.join(mount, "run"), *FLAGS))
       rc, out = run.finish(timeout=600)
       record["exit_code"] = rc
-      record["one_line"] = (rc == 1 and "Traceback" not in out
-                            and len([x for x in out.splitlines() if x.startswith("error:")]) == 1)
+      record["one_line"] = (
+        rc == 1 and "Traceback" not in out and len([x for x in out.splitlines() if x.startswith("error:")]) == 1
+      )
       reached = last_step(out)
       shutil.copytree(os.path.join(mount, "run"), os.path.join(workdir, "run"))  # "free some space"
     finally:
@@ -155,8 +177,9 @@ def one_fault(kind, rng, base, reference, two_host_reference):
         break
       port = helpers.free_port()
     out = results[0][1]
-    record.update(identical=same(workdir, out, two_host_reference), steps_lost=reached - resumed_from(out),
-                  silent_restarts=0)
+    record.update(
+      identical=same(workdir, out, two_host_reference), steps_lost=reached - resumed_from(out), silent_restarts=0
+    )
     return record
   else:
     raise ValueError(kind)
@@ -201,9 +224,12 @@ def main():
     rows = [r for r in records if r["kind"] == kind]
     if not rows:
       continue
-    table[kind] = {"injected": len(rows), "identical": sum(r["identical"] for r in rows),
-                   "max_steps_lost": max(r["steps_lost"] for r in rows),
-                   "silent_restarts": sum(r["silent_restarts"] for r in rows)}
+    table[kind] = {
+      "injected": len(rows),
+      "identical": sum(r["identical"] for r in rows),
+      "max_steps_lost": max(r["steps_lost"] for r in rows),
+      "silent_restarts": sum(r["silent_restarts"] for r in rows),
+    }
     if kind == "peer_killed":
       table[kind]["max_survivor_exit_s"] = max(r["survivor_exit_s"] for r in rows)
   print("| fault | injected | ended identical | max steps lost | silent restarts |")

@@ -13,6 +13,7 @@ mean ± std over seeds of test accuracy and NLL and the mean particle distance
 to the fused parameters. Prints a markdown table and ``SUMMARY {json}``. A
 benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from benchmarks.common import base_overrides, digits_study, study_parser  # noqa: E402
 
 SETTINGS = {
-    "ipf, lambda 0.5 (default)": dict(),
-    "ipf, lambda 0": dict(correction=0.0),
-    "independent from one init": dict(mode="ensemble", init="shared"),
+  "ipf, lambda 0.5 (default)": dict(),
+  "ipf, lambda 0": dict(correction=0.0),
+  "independent from one init": dict(mode="ensemble", init="shared"),
 }
 
 
@@ -34,15 +35,31 @@ def main():
   args = parser.parse_args()
 
   def row(results, scalars):
-    return {"fused_acc": results["fused"]["accuracy"], "fused_bn_acc": results["fused_bn"]["accuracy"],
-            "fused_nll": results["fused"]["nll"], "fused_bn_nll": results["fused_bn"]["nll"],
-            "diversity": float(scalars["train/diversity"][1][-1])}
+    return {
+      "fused_acc": results["fused"]["accuracy"],
+      "fused_bn_acc": results["fused_bn"]["accuracy"],
+      "fused_nll": results["fused"]["nll"],
+      "fused_bn_nll": results["fused_bn"]["nll"],
+      "diversity": float(scalars["train/diversity"][1][-1]),
+    }
 
   variants = {k: {**v, "fused_bn_batches": args.batches} for k, v in SETTINGS.items()}
-  digits_study("fused_bn_digits", variants, row, args.seeds, args.steps,
-               [("fused_acc", 100, ".2f"), ("fused_bn_acc", 100, ".2f"), ("fused_nll", 1, ".4f"),
-                ("fused_bn_nll", 1, ".4f"), ("diversity", 1, ".3f")],
-               note=f"BN re-estimated on {args.batches} training batches of 128", base=base_overrides(args))
+  digits_study(
+    "fused_bn_digits",
+    variants,
+    row,
+    args.seeds,
+    args.steps,
+    [
+      ("fused_acc", 100, ".2f"),
+      ("fused_bn_acc", 100, ".2f"),
+      ("fused_nll", 1, ".4f"),
+      ("fused_bn_nll", 1, ".4f"),
+      ("diversity", 1, ".3f"),
+    ],
+    note=f"BN re-estimated on {args.batches} training batches of 128",
+    base=base_overrides(args),
+  )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from XLA's cost analysis of the lowered step, divided by time and the device's
 dense 16-bit peak, where known).
 Prints a table and ``SUMMARY {json}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,19 @@ from benchmarks.common import Bench, measure, memory_mib, print_summary, print_t
 from configs import imagenet_r50
 
 # Dense bf16/fp16 peak FLOP/s by device kind (vendor specs), for MFU.
-PEAK_16BIT = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-              "NVIDIA A100-SXM4-40GB": 312e12}
-VARIANTS = {"ddp": ("ddp", 1, "vmap"), "ipf L=1": ("ipf", 1, "vmap"), "ipf L=2 vmap": ("ipf", 2, "vmap"),
-            "ipf L=2 map": ("ipf", 2, "map"), "ipf L=2 unroll": ("ipf", 2, "unroll")}
+PEAK_16BIT = {
+  "NVIDIA H200": 989e12,
+  "NVIDIA H100 80GB HBM3": 989e12,
+  "NVIDIA A100-SXM4-80GB": 312e12,
+  "NVIDIA A100-SXM4-40GB": 312e12,
+}
+VARIANTS = {
+  "ddp": ("ddp", 1, "vmap"),
+  "ipf L=1": ("ipf", 1, "vmap"),
+  "ipf L=2 vmap": ("ipf", 2, "vmap"),
+  "ipf L=2 map": ("ipf", 2, "map"),
+  "ipf L=2 unroll": ("ipf", 2, "unroll"),
+}
 
 
 def make(variant, args, devices):
@@ -86,13 +96,18 @@ def main():
   unknown = sorted(set(names) - set(VARIANTS))
   if unknown:
     parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-  print(f"{args.model} {args.image_size}x{args.image_size}, {args.per_device_batch} images/device, {args.dtype}, "
-        f"{devices} x {kind}, jax {jax.__version__}", flush=True)
+  print(
+    f"{args.model} {args.image_size}x{args.image_size}, {args.per_device_batch} images/device, {args.dtype}, "
+    f"{devices} x {kind}, jax {jax.__version__}",
+    flush=True,
+  )
   timed = {}
   for name in names:
     timed[name] = Timed(name, args, devices)
-    print(f"compiled {name} in {timed[name].compile_s:.0f} s: peak {timed[name].memory['peak']:.0f} MiB per device",
-          flush=True)
+    print(
+      f"compiled {name} in {timed[name].compile_s:.0f} s: peak {timed[name].memory['peak']:.0f} MiB per device",
+      flush=True,
+    )
   times = measure(timed, args.repeats, args.rounds)
   l2 = {name: times[name] for name in names if name.startswith("ipf L=2")}
   if args.trace and l2:
@@ -110,15 +125,33 @@ def main():
   rows = []
   for name in names:
     t, v = times[name], timed[name]
-    rows.append({"variant": name, "compile_s": v.compile_s, "peak_MiB": v.memory["peak"], "step_ms": 1e3 * t,
-                 "images_per_s": images / t, "vs ddp": (times["ddp"] / t) if "ddp" in times else float("nan"),
-                 "mfu": model_flops / t / peak if peak and model_flops else float("nan")})
+    rows.append(
+      {
+        "variant": name,
+        "compile_s": v.compile_s,
+        "peak_MiB": v.memory["peak"],
+        "step_ms": 1e3 * t,
+        "images_per_s": images / t,
+        "vs ddp": (times["ddp"] / t) if "ddp" in times else float("nan"),
+        "mfu": model_flops / t / peak if peak and model_flops else float("nan"),
+      }
+    )
   print_table(rows, ["variant", "compile_s", "peak_MiB", "step_ms", "images_per_s", "vs ddp", "mfu"])
   loops = {r["variant"].split()[-1]: r["images_per_s"] for r in rows if r["variant"].startswith("ipf L=2")}
-  print_summary({"benchmark": "gpu_resnet50", "model": args.model, "devices": devices, "device_kind": kind,
-                 "backend": jax.default_backend(), "jax": jax.__version__, "per_device_batch": args.per_device_batch,
-                 "dtype": args.dtype, "rows": rows,
-                 "best_particle_loop_L2": max(loops, key=loops.get) if loops else None})
+  print_summary(
+    {
+      "benchmark": "gpu_resnet50",
+      "model": args.model,
+      "devices": devices,
+      "device_kind": kind,
+      "backend": jax.default_backend(),
+      "jax": jax.__version__,
+      "per_device_batch": args.per_device_batch,
+      "dtype": args.dtype,
+      "rows": rows,
+      "best_particle_loop_L2": max(loops, key=loops.get) if loops else None,
+    }
+  )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ buffer assignment: a GPU's differs in detail, but the ratios between variants
 per-device batch is fixed (the cost of one DDP replica), split over the L
 particles of the device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,14 @@ def main():
   parser.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
   args = parser.parse_args()
 
-  variants = [("L=1", 1, False, ""), ("L=2", 2, False, ""), ("L=4", 4, False, ""),
-              ("L=2 remat", 2, True, ""), ("L=2 shared stem+stage1", 2, False, SHARED),
-              ("L=4 shared stem+stage1", 4, False, SHARED)]
+  variants = [
+    ("L=1", 1, False, ""),
+    ("L=2", 2, False, ""),
+    ("L=4", 4, False, ""),
+    ("L=2 remat", 2, True, ""),
+    ("L=2 shared stem+stage1", 2, False, SHARED),
+    ("L=4 shared stem+stage1", 4, False, SHARED),
+  ]
   if args.variants:
     keep = [v.strip() for v in args.variants.split(",")]
     unknown = sorted(set(keep) - {v[0] for v in variants})
@@ -55,17 +61,27 @@ def main():
   base = {r["variant"]: r["peak"] for r in rows}
   for r in rows:
     r["peak / L=1"] = r["peak"] / base["L=1"] if "L=1" in base else float("nan")
-  print(f"\n{args.model}, {args.image_size}x{args.image_size}, {args.per_device_batch} images per device, "
-        f"bfloat16 compute, float32 params/optimizer; MiB per device")
+  print(
+    f"\n{args.model}, {args.image_size}x{args.image_size}, {args.per_device_batch} images per device, "
+    f"bfloat16 compute, float32 params/optimizer; MiB per device"
+  )
   print_table(rows, ["variant", "arguments", "temporaries", "peak", "peak / L=1"])
   ratio = lambda a, b: base[a] / base[b] if a in base and b in base else None
-  print_summary({"benchmark": "memory_resnet50", "model": args.model, "image_size": args.image_size,
-                 "per_device_batch": args.per_device_batch, "backend": jax.default_backend(),
-                 "peak_mib": base,
-                 "remat_over_plain_L2": ratio("L=2 remat", "L=2"),
-                 "shared_over_plain_L2": ratio("L=2 shared stem+stage1", "L=2"),
-                 "shared_over_plain_L4": ratio("L=4 shared stem+stage1", "L=4"),
-                 "L2_over_L1": ratio("L=2", "L=1"), "L4_over_L1": ratio("L=4", "L=1")})
+  print_summary(
+    {
+      "benchmark": "memory_resnet50",
+      "model": args.model,
+      "image_size": args.image_size,
+      "per_device_batch": args.per_device_batch,
+      "backend": jax.default_backend(),
+      "peak_mib": base,
+      "remat_over_plain_L2": ratio("L=2 remat", "L=2"),
+      "shared_over_plain_L2": ratio("L=2 shared stem+stage1", "L=2"),
+      "shared_over_plain_L4": ratio("L=4 shared stem+stage1", "L=4"),
+      "L2_over_L1": ratio("L=2", "L=1"),
+      "L4_over_L1": ratio("L=4", "L=1"),
+    }
+  )
 
 
 if __name__ == "__main__":

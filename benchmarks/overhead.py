@@ -18,6 +18,7 @@ table and ``SUMMARY {json}``.
 4. peak memory (memory_analysis) of the ipf step / the ensemble step.
 5. input pipeline images/s / train step images/s (digits).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ def handwritten_ddp(config, args):
   model = create_model(config, 10)
   tx = optax.sgd(0.01, momentum=0.9, nesterov=True)
   rep = NamedSharding(mesh, P())
-  variables = jax.jit(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + image_shape(args)), train=False),
-                      out_shardings=rep)()
+  variables = jax.jit(
+    lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + image_shape(args)), train=False), out_shardings=rep
+  )()
   params, stats = variables["params"], variables["batch_stats"]
   opt_state = jax.jit(tx.init, out_shardings=rep)(params)
   g = config.global_batch_size
@@ -85,6 +87,7 @@ def handwritten_ddp(config, args):
     def loss_fn(p):
       logits, new = model.apply({"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new["batch_stats"]
+
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), stats, opt_state, loss
@@ -94,6 +97,7 @@ def handwritten_ddp(config, args):
   def run():
     *box[:], loss = step(*box, x, y)
     return loss
+
   return run
 
 
@@ -103,10 +107,10 @@ def digits_resample_rate(args):
   t = Timed(c, args)
   data = digits_data.load()
   from ipf_jax.spmd import layout
+
   resampled = 0
   for step in range(c.num_train_steps):
-    batch = layout.put_train_batch(data.train_batch(step, c.global_batch_size, c.seed), c.num_particles,
-                                   t.bench.mesh)
+    batch = layout.put_train_batch(data.train_batch(step, c.global_batch_size, c.seed), c.num_particles, t.bench.mesh)
     t.state, m = t.bench.train_step(t.state, batch)
     resampled += int(m["resampled"])
   return resampled / c.num_train_steps
@@ -125,63 +129,88 @@ def main():
 
   # 1. IPF vs ensemble; 4. memory of the same compiled steps.
   p = d
-  variants = {"ensemble": Timed(config_for(args, mode="ensemble", num_particles=p), args),
-              "ipf (no resample)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0), args),
-              "ipf lambda=0 (no resample)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
-                                                             correction=0.0), args),
-              "ipf lambda=0, no resampling branch": Timed(
-                  config_for(args, mode="ipf", num_particles=p, correction=0.0), args, {"resampling": False}),
-              "ipf elastic 0.1 (no resample)": Timed(config_for(args, mode="ipf", num_particles=p,
-                                                                ess_threshold=0.0, elastic_pull=0.1), args),
-              "ipf (resample every step)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0,
-                                                            resample_every=1), args),
-              "ipf (resample every step, jitter_lr=0)": Timed(config_for(
-                  args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1, jitter_lr=0.0), args),
-              "ipf lambda=0 (resample every step, jitter_lr=0)": Timed(config_for(
-                  args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1, jitter_lr=0.0,
-                  correction=0.0), args),
-              "ipf (resample every step, all_to_all)": Timed(config_for(
-                  args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1,
-                  resample_exchange="all_to_all"), args)}
+  variants = {
+    "ensemble": Timed(config_for(args, mode="ensemble", num_particles=p), args),
+    "ipf (no resample)": Timed(config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0), args),
+    "ipf lambda=0 (no resample)": Timed(
+      config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, correction=0.0), args
+    ),
+    "ipf lambda=0, no resampling branch": Timed(
+      config_for(args, mode="ipf", num_particles=p, correction=0.0), args, {"resampling": False}
+    ),
+    "ipf elastic 0.1 (no resample)": Timed(
+      config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, elastic_pull=0.1), args
+    ),
+    "ipf (resample every step)": Timed(
+      config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1), args
+    ),
+    "ipf (resample every step, jitter_lr=0)": Timed(
+      config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1, jitter_lr=0.0), args
+    ),
+    "ipf lambda=0 (resample every step, jitter_lr=0)": Timed(
+      config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1, jitter_lr=0.0, correction=0.0),
+      args,
+    ),
+    "ipf (resample every step, all_to_all)": Timed(
+      config_for(
+        args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1, resample_exchange="all_to_all"
+      ),
+      args,
+    ),
+  }
   t = measure(variants, args.repeats, args.rounds)
   rate = digits_resample_rate(args)
   amortised = (1 - rate) * t["ipf (no resample)"] + rate * t["ipf (resample every step)"]
   mem = {k: memory_mib(v.bench.compiled())["peak"] for k, v in variants.items()}
-  rows = [{"variant": k, "step_ms": 1e3 * v, "vs ensemble": v / t["ensemble"], "peak_MiB": mem[k]}
-          for k, v in t.items()]
-  rows.append({"variant": f"ipf amortised (resample rate {rate:.3f})", "step_ms": 1e3 * amortised,
-               "vs ensemble": amortised / t["ensemble"], "peak_MiB": float("nan")})
+  rows = [
+    {"variant": k, "step_ms": 1e3 * v, "vs ensemble": v / t["ensemble"], "peak_MiB": mem[k]} for k, v in t.items()
+  ]
+  rows.append(
+    {
+      "variant": f"ipf amortised (resample rate {rate:.3f})",
+      "step_ms": 1e3 * amortised,
+      "vs ensemble": amortised / t["ensemble"],
+      "peak_MiB": float("nan"),
+    }
+  )
   print(f"\n1. IPF overhead ({p} particles on {d} devices, {args.model})")
   print_table(rows, ["variant", "step_ms", "vs ensemble", "peak_MiB"])
-  summary.update(ipf_no_resample_over_ensemble=t["ipf (no resample)"] / t["ensemble"],
-                 ipf_lambda0_no_resample_over_ensemble=t["ipf lambda=0 (no resample)"] / t["ensemble"],
-                 ipf_elastic_no_resample_over_ensemble=t["ipf elastic 0.1 (no resample)"] / t["ensemble"],
-                 ipf_resample_every_step_over_ensemble=t["ipf (resample every step)"] / t["ensemble"],
-                 ipf_resample_every_step_no_noise_over_ensemble=(t["ipf (resample every step, jitter_lr=0)"]
-                                                                 / t["ensemble"]),
-                 ipf_lambda0_resample_every_step_no_noise_over_ensemble=(
-                     t["ipf lambda=0 (resample every step, jitter_lr=0)"] / t["ensemble"]),
-                 ipf_resample_every_step_all_to_all_over_ensemble=(t["ipf (resample every step, all_to_all)"]
-                                                                   / t["ensemble"]),
-                 digits_resample_rate=rate, ipf_amortised_over_ensemble=amortised / t["ensemble"],
-                 resampling_peak_memory_ratio=mem["ipf (resample every step)"] / mem["ensemble"],
-                 resampling_all_to_all_peak_memory_ratio=(mem["ipf (resample every step, all_to_all)"]
-                                                          / mem["ensemble"]))
+  summary.update(
+    ipf_no_resample_over_ensemble=t["ipf (no resample)"] / t["ensemble"],
+    ipf_lambda0_no_resample_over_ensemble=t["ipf lambda=0 (no resample)"] / t["ensemble"],
+    ipf_elastic_no_resample_over_ensemble=t["ipf elastic 0.1 (no resample)"] / t["ensemble"],
+    ipf_resample_every_step_over_ensemble=t["ipf (resample every step)"] / t["ensemble"],
+    ipf_resample_every_step_no_noise_over_ensemble=(t["ipf (resample every step, jitter_lr=0)"] / t["ensemble"]),
+    ipf_lambda0_resample_every_step_no_noise_over_ensemble=(
+      t["ipf lambda=0 (resample every step, jitter_lr=0)"] / t["ensemble"]
+    ),
+    ipf_resample_every_step_all_to_all_over_ensemble=(t["ipf (resample every step, all_to_all)"] / t["ensemble"]),
+    digits_resample_rate=rate,
+    ipf_amortised_over_ensemble=amortised / t["ensemble"],
+    resampling_peak_memory_ratio=mem["ipf (resample every step)"] / mem["ensemble"],
+    resampling_all_to_all_peak_memory_ratio=(mem["ipf (resample every step, all_to_all)"] / mem["ensemble"]),
+  )
 
   # 2. DDP vs a hand-written data-parallel step.
   ddp_cfg = config_for(args, mode="ddp", num_particles=1, global_batch_size=args.per_particle_batch * d)
-  t = measure({"ddp (ipf_jax, P=1)": Timed(ddp_cfg, args), "hand-written jit DP": handwritten_ddp(ddp_cfg, args)},
-              args.repeats, args.rounds)
+  t = measure(
+    {"ddp (ipf_jax, P=1)": Timed(ddp_cfg, args), "hand-written jit DP": handwritten_ddp(ddp_cfg, args)},
+    args.repeats,
+    args.rounds,
+  )
   print(f"\n2. DDP overhead ({args.per_particle_batch * d} examples per step on {d} devices)")
-  print_table([{"variant": k, "step_ms": 1e3 * v, "vs hand-written": v / t["hand-written jit DP"]}
-               for k, v in t.items()], ["variant", "step_ms", "vs hand-written"])
+  print_table(
+    [{"variant": k, "step_ms": 1e3 * v, "vs hand-written": v / t["hand-written jit DP"]} for k, v in t.items()],
+    ["variant", "step_ms", "vs hand-written"],
+  )
   summary["ddp_over_handwritten"] = t["ddp (ipf_jax, P=1)"] / t["hand-written jit DP"]
 
   # 3. Particles per device, three ways of looping over them.
   rows = []
   for loop in ("vmap", "map", "unroll"):
-    variants = {n: Timed(config_for(args, mode="ensemble", num_particles=n * d, particle_loop=loop), args)
-                for n in (1, 2, 4)}
+    variants = {
+      n: Timed(config_for(args, mode="ensemble", num_particles=n * d, particle_loop=loop), args) for n in (1, 2, 4)
+    }
     t = measure(variants, args.repeats, max(2, args.rounds // 2))
     for n, v in t.items():
       rows.append({"loop": loop, "L": n, "step_ms": 1e3 * v, "per-example vs L=1": (v / n) / t[1]})
@@ -200,13 +229,13 @@ def main():
   step_time = measure({"ipf": Timed(config_for(args), args)}, args.repeats, 2)["ipf"]
   train_rate = c.global_batch_size / step_time
   print(f"\n5. Input: digits host batches {input_rate:,.0f} images/s vs train step {train_rate:,.0f} images/s")
-  summary.update(input_images_per_s=input_rate, train_images_per_s=train_rate,
-                 input_over_train=input_rate / train_rate)
+  summary.update(input_images_per_s=input_rate, train_images_per_s=train_rate, input_over_train=input_rate / train_rate)
 
   # 6. TFDS pipeline (tf.data on mock CIFAR-10, 32x32 crops) vs the resnet_tiny step at 32x32.
   import tensorflow_datasets as tfds
 
   from ipf_jax.data import tfds_input
+
   g = 8 * 16
   with tfds.testing.mock_data(num_examples=4096):
     ds = tfds_input.TFDSDataset("cifar10", None, image_size=32, shuffle_buffer=1024, small_images=True)
@@ -218,10 +247,15 @@ def main():
     tfds_rate = 20 * g / (time.perf_counter() - t0)
   tiny = argparse.Namespace(**{**vars(args), "model": "resnet_tiny", "image_size": 32})
   tiny_time = measure({"ipf": Timed(config_for(tiny, global_batch_size=g), tiny)}, args.repeats, 2)["ipf"]
-  print(f"6. Input: TFDS mock cifar10 pipeline {tfds_rate:,.0f} images/s vs resnet_tiny 32x32 train step "
-        f"{g / tiny_time:,.0f} images/s")
-  summary.update(tfds_input_images_per_s=tfds_rate, tiny_train_images_per_s=g / tiny_time,
-                 tfds_input_over_train=tfds_rate * tiny_time / g)
+  print(
+    f"6. Input: TFDS mock cifar10 pipeline {tfds_rate:,.0f} images/s vs resnet_tiny 32x32 train step "
+    f"{g / tiny_time:,.0f} images/s"
+  )
+  summary.update(
+    tfds_input_images_per_s=tfds_rate,
+    tiny_train_images_per_s=g / tiny_time,
+    tfds_input_over_train=tfds_rate * tiny_time / g,
+  )
   print_summary(summary)
 
 

@@ -13,6 +13,7 @@ accuracy (evaluated every 20 steps), and training-loss fluctuation (std of
 step-to-step changes of the training loss over the second half). Prints a
 markdown table and ``SUMMARY {json}``. A benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,11 +31,11 @@ from ipf_jax.reporting import report  # noqa: E402
 from ipf_jax.runtime import trainer
 
 METHODS = {
-    "ddp": dict(mode="ddp", num_particles=1),
-    "ensemble": dict(mode="ensemble", num_particles=8),
-    "ipf tau=1 lambda=0.5": dict(mode="ipf", temperature=1.0, correction=0.5),
-    "ipf tau=10 lambda=0.5": dict(mode="ipf", temperature=10.0, correction=0.5),
-    "ipf tau=10 lambda=0.5 jitter": dict(mode="ipf", temperature=10.0, correction=0.5, jitter=1e-3),
+  "ddp": dict(mode="ddp", num_particles=1),
+  "ensemble": dict(mode="ensemble", num_particles=8),
+  "ipf tau=1 lambda=0.5": dict(mode="ipf", temperature=1.0, correction=0.5),
+  "ipf tau=10 lambda=0.5": dict(mode="ipf", temperature=10.0, correction=0.5),
+  "ipf tau=10 lambda=0.5 jitter": dict(mode="ipf", temperature=10.0, correction=0.5, jitter=1e-3),
 }
 VARIANTS = {"full": dict(), "20% subset + 20% noise": dict(train_fraction=0.2, label_noise=0.2)}
 TARGET = {"full": 0.95, "20% subset + 20% noise": 0.85}
@@ -58,15 +59,23 @@ def run_one(method, variant, seed, steps, workdir, base=None):
   acc_steps, acc = scalars["eval/ensemble/accuracy"]
   reached = acc_steps[acc >= TARGET[variant]]
   loss = scalars["train/loss"][1]
-  second = loss[len(loss) // 2:]
+  second = loss[len(loss) // 2 :]
   fused_key = "fused" if config.num_particles == 1 or METHODS[method]["mode"] == "ipf" else None
-  single = results[fused_key] if fused_key else {m: float(np.mean(results["particles"][m]))
-                                                 for m in ("accuracy", "nll", "ece")}
-  return {"single_acc": single["accuracy"], "single_nll": single["nll"], "single_ece": single["ece"],
-          "ens_acc": results["ensemble"]["accuracy"], "ens_nll": results["ensemble"]["nll"],
-          "ens_ece": results["ensemble"]["ece"],
-          "steps_to_target": float(reached[0]) if len(reached) else float("nan"),
-          "loss_fluctuation": float(np.std(np.diff(second)))}
+  single = (
+    results[fused_key]
+    if fused_key
+    else {m: float(np.mean(results["particles"][m])) for m in ("accuracy", "nll", "ece")}
+  )
+  return {
+    "single_acc": single["accuracy"],
+    "single_nll": single["nll"],
+    "single_ece": single["ece"],
+    "ens_acc": results["ensemble"]["accuracy"],
+    "ens_nll": results["ensemble"]["nll"],
+    "ens_ece": results["ensemble"]["ece"],
+    "steps_to_target": float(reached[0]) if len(reached) else float("nan"),
+    "loss_fluctuation": float(np.std(np.diff(second))),
+  }
 
 
 def main():
@@ -81,17 +90,35 @@ def main():
       for method in methods:
         runs = []
         for seed in range(args.seeds):
-          runs.append(run_one(method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"),
-                              base_overrides(args)))
-        table[(variant, method)] = {k: (float(np.nanmean([r[k] for r in runs])), float(np.nanstd([r[k] for r in runs])),
-                                        int(np.sum(np.isfinite([r[k] for r in runs])))) for k in runs[0]}
+          runs.append(
+            run_one(
+              method, variant, seed, args.steps, os.path.join(tmp, f"{variant}-{method}-{seed}"), base_overrides(args)
+            )
+          )
+        table[(variant, method)] = {
+          k: (
+            float(np.nanmean([r[k] for r in runs])),
+            float(np.nanstd([r[k] for r in runs])),
+            int(np.sum(np.isfinite([r[k] for r in runs]))),
+          )
+          for k in runs[0]
+        }
         print(f"done {variant} / {method}", flush=True)
-  cols = [("single_acc", 100, ".2f"), ("ens_acc", 100, ".2f"), ("single_nll", 1, ".4f"), ("ens_nll", 1, ".4f"),
-          ("single_ece", 1, ".4f"), ("ens_ece", 1, ".4f"), ("steps_to_target", 1, ".0f"),
-          ("loss_fluctuation", 1, ".4f")]
-  print(f"\n{args.seeds} seeds, {args.steps} steps, global batch 128, mean ± std; steps to target = first eval "
-        f"(every {EVAL_EVERY} steps) with ensemble test accuracy >= target (full {TARGET['full']:.0%}, harder "
-        f"{TARGET['20% subset + 20% noise']:.0%}), n = runs that reached it\n")
+  cols = [
+    ("single_acc", 100, ".2f"),
+    ("ens_acc", 100, ".2f"),
+    ("single_nll", 1, ".4f"),
+    ("ens_nll", 1, ".4f"),
+    ("single_ece", 1, ".4f"),
+    ("ens_ece", 1, ".4f"),
+    ("steps_to_target", 1, ".0f"),
+    ("loss_fluctuation", 1, ".4f"),
+  ]
+  print(
+    f"\n{args.seeds} seeds, {args.steps} steps, global batch 128, mean ± std; steps to target = first eval "
+    f"(every {EVAL_EVERY} steps) with ensemble test accuracy >= target (full {TARGET['full']:.0%}, harder "
+    f"{TARGET['20% subset + 20% noise']:.0%}), n = runs that reached it\n"
+  )
   print("| data | method | " + " | ".join(c for c, _, _ in cols) + " |")
   print("|" + "---|" * (len(cols) + 2))
   for (variant, method), row in table.items():
@@ -101,8 +128,14 @@ def main():
       cell = f"{scale * m:{f}} ± {scale * s:{f}}"
       cells.append(cell + (f" (n={n})" if c == "steps_to_target" else ""))
     print(f"| {variant} | {method} | " + " | ".join(cells) + " |")
-  print_summary({"benchmark": "quality_digits", "seeds": args.seeds, "steps": args.steps,
-                 "results": {f"{v} / {m}": {k: r[k][0] for k in r} for (v, m), r in table.items()}})
+  print_summary(
+    {
+      "benchmark": "quality_digits",
+      "seeds": args.seeds,
+      "steps": args.steps,
+      "results": {f"{v} / {m}": {k: r[k][0] for k in r} for (v, m), r in table.items()},
+    }
+  )
 
 
 if __name__ == "__main__":

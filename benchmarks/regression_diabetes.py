@@ -6,6 +6,7 @@ scikit-learn's diabetes data, a fixed 25% test split, standardised target
 (NLL and RMSE in units of its standard deviation; RMSE 1.0 = predicting the
 mean). 8 particles (DDP: 1), global batch 64, same steps for every mode.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,21 +39,31 @@ def main():
       for seed in range(args.seeds):
         config = regression_diabetes.config_for(mode, particles, args.steps, seed)
         config.global_batch_size = 64
-        results = ipf_jax.train_and_evaluate(config, os.path.join(tmp, f"{mode}-{seed}"),
-                                             task=ipf_jax.gaussian_regression(regression_diabetes.GaussianMLP()),
-                                             data=data)
+        results = ipf_jax.train_and_evaluate(
+          config,
+          os.path.join(tmp, f"{mode}-{seed}"),
+          task=ipf_jax.gaussian_regression(regression_diabetes.GaussianMLP()),
+          data=data,
+        )
         runs.append({f"{row}_{m}": float(results[row][m]) for row in ("ensemble", "fused") for m in ("nll", "rmse")})
       rows[mode] = {k: (float(np.mean([r[k] for r in runs])), float(np.std([r[k] for r in runs]))) for k in runs[0]}
       print(f"done {mode}", flush=True)
-  print(f"\n{args.seeds} seeds, {args.steps} steps, batch 64; standardised target (RMSE x {y_scale:.1f} = "
-        "target units)\n")
+  print(
+    f"\n{args.seeds} seeds, {args.steps} steps, batch 64; standardised target (RMSE x {y_scale:.1f} = target units)\n"
+  )
   print("| mode | ensemble NLL | ensemble RMSE | fused NLL | fused RMSE |")
   print("|---|---|---|---|---|")
   for mode, r in rows.items():
     cells = [f"{r[k][0]:.3f} ± {r[k][1]:.3f}" for k in ("ensemble_nll", "ensemble_rmse", "fused_nll", "fused_rmse")]
     print(f"| {mode} | " + " | ".join(cells) + " |")
-  print_summary({"benchmark": "regression_diabetes", "seeds": args.seeds, "steps": args.steps,
-                 "results": {m: {k: v[0] for k, v in r.items()} for m, r in rows.items()}})
+  print_summary(
+    {
+      "benchmark": "regression_diabetes",
+      "seeds": args.seeds,
+      "steps": args.steps,
+      "results": {m: {k: v[0] for k, v in r.items()} for m, r in rows.items()},
+    }
+  )
 
 
 if __name__ == "__main__":

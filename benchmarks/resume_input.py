@@ -11,6 +11,7 @@ pipeline before). Medians of ``repeats``; both pipelines alternate. Reading the
 skipped records themselves still costs I/O: the comparison says what decoding
 them added.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,15 @@ def build(data_dir: str, examples: int, image_size: int):
     VERSION = tfds.core.Version("1.0.0")
 
     def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-          "image": tfds.features.Image(shape=(image_size, image_size, 3), encoding_format="jpeg"),
-          "label": tfds.features.ClassLabel(num_classes=10)}))
+      return tfds.core.DatasetInfo(
+        builder=self,
+        features=tfds.features.FeaturesDict(
+          {
+            "image": tfds.features.Image(shape=(image_size, image_size, 3), encoding_format="jpeg"),
+            "label": tfds.features.ClassLabel(num_classes=10),
+          }
+        ),
+      )
 
     def _split_generators(self, dl_manager):
       return {"train": self._generate_examples(examples, 0), "test": self._generate_examples(256, 1)}
@@ -42,8 +49,7 @@ def build(data_dir: str, examples: int, image_size: int):
       for i in range(n):
         # Smooth random images, JPEG-encoded like ImageNet's, so decoding costs what it does on real data.
         small = rng.integers(0, 256, (8, 8, 3), np.uint8)
-        yield i, {"image": np.kron(small, np.ones((image_size // 8, image_size // 8, 1), np.uint8)),
-                  "label": i % 10}
+        yield i, {"image": np.kron(small, np.ones((image_size // 8, image_size // 8, 1), np.uint8)), "label": i % 10}
 
   builder = ResumeBench(data_dir=data_dir)
   builder.download_and_prepare()
@@ -58,6 +64,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
   from ipf_jax.data import tfds_input
+
   with tempfile.TemporaryDirectory() as data_dir:
     t = time.perf_counter()
     builder = build(data_dir, args.examples, args.image_size)
@@ -75,16 +82,31 @@ def main():
           next(ds.train_batches(k, args.batch, seed=0))
           times[(k, skip)].append(time.perf_counter() - t)
   med = {key: statistics.median(v) for key, v in times.items()}
-  rows = [{"resumed at step": k, "skipped records": k * args.batch,
-           "first batch s, skipped encoded": med[(k, True)], "vs k=0": med[(k, True)] / med[(0, True)],
-           "first batch s, skipped decoded": med[(k, False)], "vs k=0 ": med[(k, False)] / med[(0, False)]}
-          for k in ks]
-  print(f"\n{args.examples} examples of {args.image_size}x{args.image_size} JPEG, batch {args.batch}, "
-        f"{per_epoch} steps per epoch, shuffle buffer 1024; medians of {args.repeats}")
+  rows = [
+    {
+      "resumed at step": k,
+      "skipped records": k * args.batch,
+      "first batch s, skipped encoded": med[(k, True)],
+      "vs k=0": med[(k, True)] / med[(0, True)],
+      "first batch s, skipped decoded": med[(k, False)],
+      "vs k=0 ": med[(k, False)] / med[(0, False)],
+    }
+    for k in ks
+  ]
+  print(
+    f"\n{args.examples} examples of {args.image_size}x{args.image_size} JPEG, batch {args.batch}, "
+    f"{per_epoch} steps per epoch, shuffle buffer 1024; medians of {args.repeats}"
+  )
   print_table(rows, list(rows[0]))
-  print_summary({"benchmark": "resume_input", "steps_per_epoch": per_epoch, "batch": args.batch,
-                 "image_size": args.image_size,
-                 "first_batch_s": {str(k): {"encoded": med[(k, True)], "decoded": med[(k, False)]} for k in ks}})
+  print_summary(
+    {
+      "benchmark": "resume_input",
+      "steps_per_epoch": per_epoch,
+      "batch": args.batch,
+      "image_size": args.image_size,
+      "first_batch_s": {str(k): {"encoded": med[(k, True)], "decoded": med[(k, False)]} for k in ks},
+    }
+  )
 
 
 if __name__ == "__main__":

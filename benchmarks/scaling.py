@@ -17,6 +17,7 @@ time. Each device count runs in its own process (the fake device count is fixed
 when JAX starts). ResNets on 32 x 32 images (a CIFAR stem): the parameter and
 optimizer state is the full model's; activations are small.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
   from benchmarks.compression import collective_bytes
   from ipf_jax.config import defaults
   from ipf_jax.population import particle_filter as pf
+
   config = defaults.get_config()
   config.model, config.num_cpu_devices, config.small_inputs = model, 0, True
   config.num_particles, config.particle_axis_size = dp * per_device, dp
@@ -49,11 +51,20 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
   compiled = bench.compiled()
   compile_s = time.perf_counter() - t
   hlo = compiled.as_text()
-  out = {"model": model, "dp": dp, "per_device": per_device, "exchange": exchange, "compile_s": compile_s,
-         "peak_mib": memory_mib(compiled)["peak"], "collective_bytes": collective_bytes(hlo),
-         "particle_bytes": sum(int(np.prod(x.shape)) * x.dtype.itemsize
-                               for x in jax.tree.leaves((bench.abstract.params, bench.abstract.opt_state,
-                                                         bench.abstract.batch_stats))) // (dp * per_device)}
+  out = {
+    "model": model,
+    "dp": dp,
+    "per_device": per_device,
+    "exchange": exchange,
+    "compile_s": compile_s,
+    "peak_mib": memory_mib(compiled)["peak"],
+    "collective_bytes": collective_bytes(hlo),
+    "particle_bytes": sum(
+      int(np.prod(x.shape)) * x.dtype.itemsize
+      for x in jax.tree.leaves((bench.abstract.params, bench.abstract.opt_state, bench.abstract.batch_stats))
+    )
+    // (dp * per_device),
+  }
   if exchange == "rounds" and dp > 1:
     p = dp * per_device
     rng = np.random.default_rng(0)
@@ -72,8 +83,12 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
 
 def run_child(model, dp, per_device, exchange):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={dp}")
-  r = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--child", model, str(dp), str(per_device),
-                      exchange], env=env, capture_output=True, text=True)
+  r = subprocess.run(
+    [sys.executable, "-m", "benchmarks.scaling", "--child", model, str(dp), str(per_device), exchange],
+    env=env,
+    capture_output=True,
+    text=True,
+  )
   if r.returncode:
     raise RuntimeError(r.stderr[-3000:])
   return json.loads(r.stdout.strip().splitlines()[-1])
@@ -91,17 +106,24 @@ def main():
     print(json.dumps(child(model, int(dp), int(per_device), exchange)))
     return
   from benchmarks.common import print_summary
+
   results = []
   for model in args.models.split(","):
     for per_device in [int(x) for x in args.per_device.split(",")]:
       for dp in [int(x) for x in (args.dps or DEFAULT_DPS[model]).split(",")]:
         row = {e: run_child(model, dp, per_device, e) for e in ("none", "all_to_all", "rounds")}
         results.append(row)
-        print(f"compiled {model} Dp={dp} L={per_device}: peak none/all_to_all/rounds = "
-              + "/".join(f"{row[e]['peak_mib']:.1f}" for e in row) + " MiB", flush=True)
-  print("\n| model | L | Dp | particle MiB | peak MiB, no resampling | ÷, all_to_all | ÷, rounds | step collectives "
-        "KiB | one resampling KiB, K=1: all_to_all / rounds | K=P/2: all_to_all / rounds | compile s (none / "
-        "all_to_all / rounds) |")
+        print(
+          f"compiled {model} Dp={dp} L={per_device}: peak none/all_to_all/rounds = "
+          + "/".join(f"{row[e]['peak_mib']:.1f}" for e in row)
+          + " MiB",
+          flush=True,
+        )
+  print(
+    "\n| model | L | Dp | particle MiB | peak MiB, no resampling | ÷, all_to_all | ÷, rounds | step collectives "
+    "KiB | one resampling KiB, K=1: all_to_all / rounds | K=P/2: all_to_all / rounds | compile s (none / "
+    "all_to_all / rounds) |"
+  )
   print("|" + "---|" * 11)
   summary = []
   for row in results:
@@ -115,17 +137,29 @@ def main():
     k_half = max(1, none["dp"] * none["per_device"] // 2)
     r1, rh = per_round * rounds_run.get("1", 0.0), per_round * rounds_run.get(str(k_half), 0.0)  # JSON keys
     kib = lambda b: f"{b / 1024:.0f}"
-    print(f"| {none['model']} | {none['per_device']} | {none['dp']} | {p_bytes / 2 ** 20:.1f} | "
-          f"{none['peak_mib']:.1f} | "
-          f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "
-          f"{kib(a2a_bytes)} / {kib(r1)} | {kib(a2a_bytes)} / {kib(rh)} | {none['compile_s']:.0f} / "
-          f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} |")
-    summary.append({"model": none["model"], "L": none["per_device"], "dp": none["dp"], "particle_bytes": p_bytes,
-                    "peak_none_mib": none["peak_mib"], "peak_ratio_all_to_all": a2a["peak_mib"] / none["peak_mib"],
-                    "peak_ratio_rounds": rnd["peak_mib"] / none["peak_mib"], "step_collective_bytes": base,
-                    "resample_bytes_all_to_all": a2a_bytes, "resample_bytes_rounds_k1": r1,
-                    "resample_bytes_rounds_khalf": rh, "compile_s": [none["compile_s"], a2a["compile_s"],
-                                                                    rnd["compile_s"]]})
+    print(
+      f"| {none['model']} | {none['per_device']} | {none['dp']} | {p_bytes / 2**20:.1f} | "
+      f"{none['peak_mib']:.1f} | "
+      f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "
+      f"{kib(a2a_bytes)} / {kib(r1)} | {kib(a2a_bytes)} / {kib(rh)} | {none['compile_s']:.0f} / "
+      f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} |"
+    )
+    summary.append(
+      {
+        "model": none["model"],
+        "L": none["per_device"],
+        "dp": none["dp"],
+        "particle_bytes": p_bytes,
+        "peak_none_mib": none["peak_mib"],
+        "peak_ratio_all_to_all": a2a["peak_mib"] / none["peak_mib"],
+        "peak_ratio_rounds": rnd["peak_mib"] / none["peak_mib"],
+        "step_collective_bytes": base,
+        "resample_bytes_all_to_all": a2a_bytes,
+        "resample_bytes_rounds_k1": r1,
+        "resample_bytes_rounds_khalf": rh,
+        "compile_s": [none["compile_s"], a2a["compile_s"], rnd["compile_s"]],
+      }
+    )
   print_summary({"benchmark": "scaling", "rows": summary})
 
 

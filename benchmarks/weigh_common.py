@@ -13,6 +13,7 @@ set the peak; the weights are still computed. Per variant: the compiled step's F
 alternating rounds, in one process), each ÷ ``own``, and the extra GFLOP per device.
 Prints a table and ``SUMMARY {json}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,24 +48,40 @@ def main():
   base, no_branch = dict(mode="ipf", num_particles=p), {"resampling": False}
   variants = {"own": Timed(config_for(args, **base), args, no_branch)}
   for k in args.common_examples.split(","):
-    variants[f"common, {k} per particle"] = Timed(config_for(args, **base, weigh_on="common",
-                                                             common_examples=int(k)), args, no_branch)
+    variants[f"common, {k} per particle"] = Timed(
+      config_for(args, **base, weigh_on="common", common_examples=int(k)), args, no_branch
+    )
   compiled = {k: v.bench.compiled() for k, v in variants.items()}
   cost = {k: flops(c) for k, c in compiled.items()}
   peak = {k: memory_mib(c)["peak"] for k, c in compiled.items()}
   t = measure(variants, args.repeats, args.rounds)
-  rows = [{"variant": k, "GFLOP/device": cost[k] / 1e9, "extra GFLOP": (cost[k] - cost["own"]) / 1e9,
-           "FLOPs vs own": cost[k] / cost["own"],
-           "peak MiB": peak[k], "peak vs own": peak[k] / peak["own"], "step ms": 1e3 * t[k],
-           "time vs own": t[k] / t["own"]} for k in variants]
+  rows = [
+    {
+      "variant": k,
+      "GFLOP/device": cost[k] / 1e9,
+      "extra GFLOP": (cost[k] - cost["own"]) / 1e9,
+      "FLOPs vs own": cost[k] / cost["own"],
+      "peak MiB": peak[k],
+      "peak vs own": peak[k] / peak["own"],
+      "step ms": 1e3 * t[k],
+      "time vs own": t[k] / t["own"],
+    }
+    for k in variants
+  ]
   print(f"\nweigh_on ({p} particles on {p} devices, {args.model}, {args.per_particle_batch} examples per particle)")
   print_table(rows, list(rows[0]))
-  print_summary({"benchmark": "weigh_common", "devices": p, "model": args.model,
-                 "per_particle_batch": args.per_particle_batch,
-                 "flops_over_own": {k: cost[k] / cost["own"] for k in variants},
-                 "extra_gflop_per_device": {k: (cost[k] - cost["own"]) / 1e9 for k in variants},
-                 "peak_over_own": {k: peak[k] / peak["own"] for k in variants},
-                 "time_over_own": {k: t[k] / t["own"] for k in variants}})
+  print_summary(
+    {
+      "benchmark": "weigh_common",
+      "devices": p,
+      "model": args.model,
+      "per_particle_batch": args.per_particle_batch,
+      "flops_over_own": {k: cost[k] / cost["own"] for k in variants},
+      "extra_gflop_per_device": {k: (cost[k] - cost["own"]) / 1e9 for k in variants},
+      "peak_over_own": {k: peak[k] / peak["own"] for k in variants},
+      "time_over_own": {k: t[k] / t["own"] for k in variants},
+    }
+  )
 
 
 if __name__ == "__main__":

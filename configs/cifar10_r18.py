@@ -6,6 +6,7 @@ Needs TFDS's cifar10 prepared in data_dir (`tfds build cifar10`). Not yet run
 by this project; a single ResNet-18 with this recipe is usually reported at
 about 95% test accuracy.
 """
+
 from ipf_jax.config import defaults
 
 

@@ -17,6 +17,7 @@ DDP and a deep ensemble at the same compute: BENCHMARKS.md "Fashion-MNIST"
 (TFDS's default folder when empty); the test set's corruptions and the OOD
 sets (sklearn's digits at 28x28, photo patches) are computed here.
 """
+
 from ipf_jax.config import defaults
 
 
@@ -29,7 +30,7 @@ def get_config():
   config.global_batch_size = 128
   config.eval_batch_size = 1000
   config.num_epochs = 5.0
-  config.num_cpu_devices = 8           # the real particle mesh on a CPU-only machine
+  config.num_cpu_devices = 8  # the real particle mesh on a CPU-only machine
   config.log_every_steps = 100
   config.checkpoint_every_steps = 500
   return config

@@ -13,6 +13,7 @@ on this project's 2-core CPU machine one step takes 22 s (23 images/s,
 benchmarks/fashion_mnist_input.py), so its 3,510 steps would take 21 hours;
 it is meant for a GPU.
 """
+
 from ipf_jax.config import defaults
 
 

@@ -14,6 +14,7 @@ ECE 0.017. On 8 GPUs each particle trains on its own GPU (mesh (8, 1)) with
 (see BENCHMARKS.md for what was measured). GPUs without bfloat16 (V100, T4):
 add --config.dtype=float16 (float16 compute with dynamic loss scaling).
 """
+
 from ipf_jax.config import defaults
 
 
@@ -22,19 +23,19 @@ def get_config():
   config.dataset = "imagenet2012"
   config.image_size = 224
   config.model = "resnet50"
-  config.dtype = "bfloat16"              # float16 (with dynamic loss scaling) on GPUs without bf16
+  config.dtype = "bfloat16"  # float16 (with dynamic loss scaling) on GPUs without bf16
   config.num_particles = 8
-  config.global_batch_size = 1024        # 8 particles x 128
-  config.eval_batch_size = 1000          # 50,000 validation images, last batch padded and masked
+  config.global_batch_size = 1024  # 8 particles x 128
+  config.eval_batch_size = 1000  # 50,000 validation images, last batch padded and masked
   config.num_epochs = 90.0
   config.warmup_epochs = 5.0
-  config.base_lr = 0.1                   # per 256 examples ...
-  config.lr_scaling = "linear"           # ... scaled linearly with the global batch
+  config.base_lr = 0.1  # per 256 examples ...
+  config.lr_scaling = "linear"  # ... scaled linearly with the global batch
   config.reference_batch_size = 256
   config.momentum = 0.9
   config.nesterov = True
-  config.weight_decay = 1e-4             # not on BatchNorm or biases
-  config.label_smoothing = 0.0           # 0.1 is a common variant
+  config.weight_decay = 1e-4  # not on BatchNorm or biases
+  config.label_smoothing = 0.0  # 0.1 is a common variant
   config.log_every_steps = 100
   config.eval_every_steps = 5000
   config.checkpoint_every_steps = 2500

@@ -1,7 +1,8 @@
 """Your own Flax model, loss and numpy data with IPF-DDP (no config file, no dataset registry).
 
-  python examples/custom_model.py --workdir runs/custom
+python examples/custom_model.py --workdir runs/custom
 """
+
 import argparse
 import dataclasses
 
@@ -16,6 +17,7 @@ import ipf_jax
 
 class MLP(nn.Module):
   """No BatchNorm, with dropout: each particle draws its own dropout masks."""
+
   num_classes: int
 
   @nn.compact
@@ -34,8 +36,12 @@ def focal_loss(logits, batch, gamma=2.0):
 def main(workdir, steps=200):
   x, y = load_digits(return_X_y=True)
   x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
-  data = ipf_jax.ArrayDataset("digits (MLP)", train={"image": x[:1400], "label": y[:1400]},
-                              test={"image": x[1400:], "label": y[1400:]}, num_classes=10)
+  data = ipf_jax.ArrayDataset(
+    "digits (MLP)",
+    train={"image": x[:1400], "label": y[:1400]},
+    test={"image": x[1400:], "label": y[1400:]},
+    num_classes=10,
+  )
   # Accuracy, NLL and ECE as for any classifier; only the training loss is ours.
   task = dataclasses.replace(ipf_jax.classification(MLP(num_classes=10), rngs=("dropout",)), loss=focal_loss)
   config = ipf_jax.default_config()

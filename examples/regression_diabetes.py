@@ -8,6 +8,7 @@ Gaussians (weighted, and uniform), the fused model averages the parameters.
 The table reports NLL and RMSE on a fixed 25% test split, in units of the
 standardised target; RMSE is also printed in the target's own units.
 """
+
 import argparse
 
 import flax.linen as nn
@@ -20,6 +21,7 @@ import ipf_jax
 
 class GaussianMLP(nn.Module):
   """Two hidden layers; outputs (mean, raw scale) per example."""
+
   hidden: int = 32
 
   @nn.compact
@@ -35,8 +37,11 @@ def load():
   x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0)
   mx, sx, my, sy = x_tr.mean(0), x_tr.std(0), y_tr.mean(), y_tr.std()
   f = lambda a: a.astype(np.float32)
-  data = ipf_jax.ArrayDataset("diabetes", train={"x": f((x_tr - mx) / sx), "y": f((y_tr - my) / sy)},
-                              test={"x": f((x_te - mx) / sx), "y": f((y_te - my) / sy)})
+  data = ipf_jax.ArrayDataset(
+    "diabetes",
+    train={"x": f((x_tr - mx) / sx), "y": f((y_tr - my) / sy)},
+    test={"x": f((x_te - mx) / sx), "y": f((y_te - my) / sy)},
+  )
   return data, sy
 
 
@@ -52,11 +57,14 @@ def config_for(mode="ipf", particles=8, steps=150, seed=0):
 
 def main(workdir, mode="ipf", particles=8, steps=150, seed=0):
   data, y_scale = load()
-  results = ipf_jax.train_and_evaluate(config_for(mode, particles, steps, seed), workdir,
-                                       task=ipf_jax.gaussian_regression(GaussianMLP()), data=data)
+  results = ipf_jax.train_and_evaluate(
+    config_for(mode, particles, steps, seed), workdir, task=ipf_jax.gaussian_regression(GaussianMLP()), data=data
+  )
   for row in ("ensemble", "fused"):
-    print(f"{row}: NLL {results[row]['nll']:.4f}, RMSE {results[row]['rmse']:.4f} "
-          f"({results[row]['rmse'] * y_scale:.1f} in the target's units)")
+    print(
+      f"{row}: NLL {results[row]['nll']:.4f}, RMSE {results[row]['rmse']:.4f} "
+      f"({results[row]['rmse'] * y_scale:.1f} in the target's units)"
+    )
   return results
 
 

@@ -9,6 +9,7 @@ the centre for evaluation) at ``image_size`` x ``image_size``. Everything here i
 model, the input pipeline and the config are this file's; ``tests/test_examples.py`` runs it on
 ``tfds.testing.mock_data``. Nothing has been trained on the real videos by this project.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ from ipf_jax.data.errors import DataError
 
 class Block2Plus1D(nn.Module):
   """Residual block of two (2+1)D convolutions: 1 x 3 x 3 spatial, then 3 x 1 x 1 temporal."""
+
   filters: int
   strides: tuple = (1, 1, 1)
   norm: nn.Module = nn.BatchNorm
@@ -49,6 +51,7 @@ class Block2Plus1D(nn.Module):
 
 class R2Plus1D(nn.Module):
   """R(2+1)D ResNet (Tran et al. 2018) with ``stage_sizes`` blocks per stage; BatchNorm over ``bn_axis_name``."""
+
   num_classes: int
   stage_sizes: tuple = (1, 1, 1)
   width: int = 16
@@ -62,13 +65,14 @@ class R2Plus1D(nn.Module):
     for i, blocks in enumerate(self.stage_sizes):
       for j in range(blocks):
         strides = (2, 2, 2) if i > 0 and j == 0 else (1, 1, 1)
-        x = Block2Plus1D(self.width * 2 ** i, strides, norm)(x)
+        x = Block2Plus1D(self.width * 2**i, strides, norm)(x)
     return nn.Dense(self.num_classes)(jnp.mean(x, axis=(1, 2, 3)))
 
 
 @dataclasses.dataclass
 class UCF101:
   """Clips from TFDS's ``ucf101`` (``tfds_input.load_builder``: one clear error when it is not prepared)."""
+
   data_dir: str | None = None
   num_frames: int = 8
   image_size: int = 64
@@ -80,8 +84,10 @@ class UCF101:
     self.builder = tfds_input.load_builder("ucf101", self.data_dir)
     self.train_size = int(self.builder.as_dataset(split="train").cardinality())
     self.test_size = int(self.builder.as_dataset(split="test").cardinality())
-    self.example = {"video": np.zeros((1, self.num_frames, self.image_size, self.image_size, 3), np.float32),
-                    "label": np.zeros((1,), np.int32)}
+    self.example = {
+      "video": np.zeros((1, self.num_frames, self.image_size, self.image_size, 3), np.float32),
+      "label": np.zeros((1,), np.int32),
+    }
 
   def steps_per_epoch(self, global_batch_size: int) -> int:
     return self.train_size // global_batch_size
@@ -95,9 +101,12 @@ class UCF101:
       length = tf.shape(video)[0]
       video = tf.tile(video, [tf.maximum(1, -(-t // length)), 1, 1, 1])  # loop a video shorter than a clip
       key = tf.stack([tf.cast(seed, tf.int64) * 1000003 + epoch, index])
-      start = (tf.random.stateless_uniform([], key, 0, tf.shape(video)[0] - t + 1, tf.int32) if train
-               else (tf.shape(video)[0] - t) // 2)
-      frames = tf.image.resize(tf.cast(video[start:start + t], tf.float32) / 255.0, (size, size))
+      start = (
+        tf.random.stateless_uniform([], key, 0, tf.shape(video)[0] - t + 1, tf.int32)
+        if train
+        else (tf.shape(video)[0] - t) // 2
+      )
+      frames = tf.image.resize(tf.cast(video[start : start + t], tf.float32) / 255.0, (size, size))
       if train:
         frames = tf.cond(tf.random.stateless_uniform([], key + 1) < 0.5, lambda: frames[:, :, ::-1], lambda: frames)
       return {"video": frames, "label": tf.cast(example["label"], tf.int32)}

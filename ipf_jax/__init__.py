@@ -36,5 +36,16 @@ from ipf_jax.reporting.export import load_fused
 from ipf_jax.runtime.trainer import evaluate_checkpoint, train_and_evaluate
 from ipf_jax.spmd.task import Task, classification, gaussian_regression
 
-__all__ = ["ArrayDataset", "Data", "Parts", "Task", "build", "classification", "default_config",
-           "evaluate_checkpoint", "gaussian_regression", "load_fused", "train_and_evaluate"]
+__all__ = [
+  "ArrayDataset",
+  "Data",
+  "Parts",
+  "Task",
+  "build",
+  "classification",
+  "default_config",
+  "evaluate_checkpoint",
+  "gaussian_regression",
+  "load_fused",
+  "train_and_evaluate",
+]

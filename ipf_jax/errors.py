@@ -1,4 +1,5 @@
 """The errors a user's input gets: each names what is wrong and how to fix it."""
+
 from __future__ import annotations
 
 

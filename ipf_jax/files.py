@@ -1,4 +1,5 @@
 """Files written whole or not at all."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ Compiled programs are shared through JAX's persistent compilation cache (one
 fresh directory per test session, inherited by the train.py subprocesses): many
 tests compile the same digits step, and a cache hit replaces a compile.
 """
+
 import os
 import subprocess
 import sys
@@ -33,8 +34,11 @@ jax.config.update("jax_platforms", "cpu")
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "full_optimisation: run in a child pytest process compiled at XLA's default "
-                                     "LLVM optimisation level (comparisons whose float16 rounding depends on it)")
+  config.addinivalue_line(
+    "markers",
+    "full_optimisation: run in a child pytest process compiled at XLA's default "
+    "LLVM optimisation level (comparisons whose float16 rounding depends on it)",
+  )
 
 
 def pytest_pyfunc_call(pyfuncitem):
@@ -42,11 +46,17 @@ def pytest_pyfunc_call(pyfuncitem):
   if IN_CHILD or pyfuncitem.get_closest_marker("full_optimisation") is None:
     return None
   flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", pyfuncitem.nodeid],
-                     cwd=pyfuncitem.config.rootpath, capture_output=True, text=True, timeout=900,
-                     env=dict(os.environ, IPF_JAX_TESTS_CHILD="1", XLA_FLAGS=flags))
+  r = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+    cwd=pyfuncitem.config.rootpath,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    env=dict(os.environ, IPF_JAX_TESTS_CHILD="1", XLA_FLAGS=flags),
+  )
   if r.returncode != 0:
     import pytest
+
     pytest.fail(f"in a child process at full optimisation:\n{r.stdout[-6000:]}{r.stderr[-2000:]}", pytrace=False)
   return True
 
@@ -59,14 +69,17 @@ def fashion_dir(tmp_path_factory):
   """A TFDS data_dir holding fashion_mnist prepared from Debian's files: ``$IPF_JAX_FASHION_MNIST_DIR``
   (``.ci/run``) or, without it, prepared here once per session (30 s)."""
   from ipf_jax.data import prepare
+
   source = prepare.DEBIAN_SOURCE["fashion_mnist"]
   given = os.environ.get(FASHION_MNIST_DIR_ENV)
   if given:
     assert prepare.prepared("fashion_mnist", given), f"{FASHION_MNIST_DIR_ENV}={given} holds no fashion_mnist"
     return given
   if not os.path.isdir(source):
-    pytest.fail(f"{source} is missing: the Fashion-MNIST tests read the real files; run "
-                "`apt-get update && apt-get install -y dataset-fashion-mnist` (what .ci/run does)")
+    pytest.fail(
+      f"{source} is missing: the Fashion-MNIST tests read the real files; run "
+      "`apt-get update && apt-get install -y dataset-fashion-mnist` (what .ci/run does)"
+    )
   where = str(tmp_path_factory.mktemp("tfds"))
   prepare.prepare_fashion_mnist(where, source)
   return where

@@ -1,4 +1,5 @@
 """Shared test fixtures: a tiny config, a mesh of a given shape, real digits batches."""
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,9 @@ def particle_batches(num_particles, num_steps, per_particle=PER_PARTICLE_BATCH, 
   out = []
   for k in range(num_steps):
     b = data.train_batch(k, g, seed)
-    out.append((b["image"].reshape(num_particles, per_particle, 8, 8, 1),
-                b["label"].reshape(num_particles, per_particle)))
+    out.append(
+      (b["image"].reshape(num_particles, per_particle, 8, 8, 1), b["label"].reshape(num_particles, per_particle))
+    )
   return out
 
 
@@ -56,8 +58,12 @@ class Setup:
     self.config = config
     self.task = task or build_lib.zoo_task(config, 10)
     self.parts = build_lib.build(config, self.task, example or digits_data().example)
-    self.mesh, self.spec, self.tx, self.abstract = (self.parts.mesh, self.parts.spec, self.parts.tx,
-                                                    self.parts.abstract_state)
+    self.mesh, self.spec, self.tx, self.abstract = (
+      self.parts.mesh,
+      self.parts.spec,
+      self.parts.tx,
+      self.parts.abstract_state,
+    )
     self.model = self.task.model
     self.plain_model = create_model(config, 10, bn_axis_name=None)
     self.state = self.parts.init_state()
@@ -66,13 +72,16 @@ class Setup:
 
   def put(self, images, labels):
     from ipf_jax.spmd import layout
+
     return layout.put_sharded({"image": images, "label": labels}, layout.TRAIN_BATCH_SPEC, self.mesh)
 
   def evaluate(self, state, data, fused_bn=None):
     from ipf_jax.spmd import eval_step
+
     bs = self.config.eval_batch_size
-    return eval_step.evaluate(self.task, self.parts.eval_step, state, data.eval_batches(bs), bs, self.mesh, fused_bn,
-                               jax.block_until_ready)
+    return eval_step.evaluate(
+      self.task, self.parts.eval_step, state, data.eval_batches(bs), bs, self.mesh, fused_bn, jax.block_until_ready
+    )
 
   def host_state(self):
     return jax.tree.map(np.array, jax.device_get(self.state))  # writable copies
@@ -82,6 +91,7 @@ def assert_close(actual, expected, rtol=2e-4, atol=2e-5, outliers=0.0, outlier_a
   """Trees equal within ``rtol`` and ``atol``. ``outliers``: up to that fraction of a leaf's entries may miss,
   if each is within ``outlier_atol * max|expected leaf|`` (rounding that scales with the leaf, not the entry)."""
   import chex
+
   actual, expected = jax.tree.map(np.asarray, actual), jax.tree.map(np.asarray, expected)
   if not outliers:
     chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
@@ -93,15 +103,21 @@ def assert_close(actual, expected, rtol=2e-4, atol=2e-5, outliers=0.0, outlier_a
     missed = ~(np.abs(a - b) <= atol + rtol * np.abs(b))
     where = jax.tree_util.keystr(path)
     assert missed.mean() <= outliers, f"{where}: {missed.sum()} of {b.size} entries beyond rtol/atol"
-    np.testing.assert_allclose(a[missed], b[missed], rtol=0, atol=outlier_atol * scale,
-                               err_msg=f"{where}: an entry beyond rtol/atol is beyond {outlier_atol:g} x its "
-                                       f"leaf's largest magnitude {scale:.4g}")
+    np.testing.assert_allclose(
+      a[missed],
+      b[missed],
+      rtol=0,
+      atol=outlier_atol * scale,
+      err_msg=f"{where}: an entry beyond rtol/atol is beyond {outlier_atol:g} x its "
+      f"leaf's largest magnitude {scale:.4g}",
+    )
 
 
 def load_checkpoint_numpy(path):
   """A saved state as numpy arrays, whatever mesh wrote it."""
   import orbax.checkpoint as ocp
   from jax.sharding import SingleDeviceSharding
+
   ckptr = ocp.StandardCheckpointer()
   tree = ckptr.metadata(path).item_metadata.tree
   dev = SingleDeviceSharding(jax.devices()[0])
@@ -120,6 +136,7 @@ TEST_CNN = f"--config.cnn_features=({','.join(map(str, TEST_FEATURES))})"
 
 def train_py_argv(workdir, *flags, full_model=False):
   import sys
+
   small = [] if full_model or any(f.startswith("--config.cnn_features") for f in flags) else [TEST_CNN]
   return [sys.executable, "train.py", "--config", "configs/digits.py", "--workdir", str(workdir), *small, *flags]
 
@@ -129,9 +146,16 @@ def run_train_py(workdir, *flags, env=None, timeout=600, full_model=False, **kwa
   unless ``full_model``)."""
   import os
   import subprocess
-  return subprocess.run(train_py_argv(workdir, *flags, full_model=full_model), cwd=ROOT,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})), capture_output=True, text=True,
-                        timeout=timeout, **kwargs)
+
+  return subprocess.run(
+    train_py_argv(workdir, *flags, full_model=full_model),
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    **kwargs,
+  )
 
 
 class Running:
@@ -141,9 +165,17 @@ class Running:
     import os
     import subprocess
     import threading
+
     self.lines = []
-    self.proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    self.proc = subprocess.Popen(
+      argv,
+      cwd=ROOT,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      **kwargs,
+    )
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
 
@@ -154,6 +186,7 @@ class Running:
   def wait_for(self, text, timeout=300):
     """Blocks until a line containing ``text`` appears (returns it) or the process ends (returns None)."""
     import time
+
     deadline = time.monotonic() + timeout
     seen = 0
     while time.monotonic() < deadline:
@@ -189,13 +222,17 @@ class Running:
 
 def final_table(out):
   """The rows of the final evaluation table in a run's output."""
-  rest = out[out.index("final evaluation"):].split("\n", 1)[1]
-  return "\n".join(line for line in rest.splitlines() if line and line[0] not in "0123456789" and
-                   not line.startswith(("error", "warning")))
+  rest = out[out.index("final evaluation") :].split("\n", 1)[1]
+  return "\n".join(
+    line
+    for line in rest.splitlines()
+    if line and line[0] not in "0123456789" and not line.startswith(("error", "warning"))
+  )
 
 
 def free_port():
   import socket
+
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
@@ -205,8 +242,12 @@ def start_processes(argv, num_processes, port=None):
   """``argv`` once per process on localhost, joined by ``--coordinator_address/--num_processes/--process_id``;
   returns their ``Running`` handles."""
   port = port or free_port()
-  return [Running([*argv, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
-                   f"--process_id={pid}"]) for pid in range(num_processes)]
+  return [
+    Running(
+      [*argv, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={pid}"]
+    )
+    for pid in range(num_processes)
+  ]
 
 
 def run_processes(argv, num_processes, timeout=600, expect=0):
@@ -223,8 +264,14 @@ def copy_checkout(dest):
   import os
   import shutil
   import subprocess
-  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+
+  files = subprocess.run(
+    ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   for f in files.stdout.split():
     if os.path.exists(os.path.join(ROOT, f)):
       os.makedirs(os.path.join(dest, os.path.dirname(f)), exist_ok=True)
@@ -243,12 +290,14 @@ def fresh_venv(venv):
   import site
   import subprocess
   import sys
+
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
   bin_dir = os.path.join(str(venv), "bin")
   py = os.path.join(bin_dir, "python")
   subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=False, capture_output=True)
-  inner = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True,
-                         text=True, check=True).stdout.strip()
+  inner = subprocess.run(
+    [py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True, check=True
+  ).stdout.strip()
   with open(os.path.join(inner, "outer_environment.pth"), "w") as f:
     f.write("\n".join(site.getsitepackages()) + "\n")
   return bin_dir
@@ -259,6 +308,14 @@ def venv_env(bin_dir):
   offline (no index; the build uses this environment's setuptools; ``PIP_NO_BUILD_ISOLATION=0`` means
   "no build isolation", pip's reading of the variable)."""
   import os
+
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-  return dict(env, PATH=bin_dir + os.pathsep + env.get("PATH", ""), JAX_PLATFORMS="cpu", PIP_NO_INDEX="1",
-              PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1", VIRTUAL_ENV=os.path.dirname(bin_dir))
+  return dict(
+    env,
+    PATH=bin_dir + os.pathsep + env.get("PATH", ""),
+    JAX_PLATFORMS="cpu",
+    PIP_NO_INDEX="1",
+    PIP_NO_BUILD_ISOLATION="0",
+    PIP_DISABLE_PIP_VERSION_CHECK="1",
+    VIRTUAL_ENV=os.path.dirname(bin_dir),
+  )

@@ -8,6 +8,7 @@ library: step k uses key fold_in(rng, k); the resampling uniform comes from
 fold_in(key, 0); the jitter of slot n is normal(fold_in(fold_in(key, 1), n), (its number of weights,))
 in float32, cut into the leaves in tree-flatten order.
 """
+
 from __future__ import annotations
 
 import re
@@ -46,10 +47,10 @@ def island_normalize(log_w, islands):
   """Each island's weights normalised on its own, times ``1 / (islands with a finite weight)``."""
   log_w = np.array(log_w, np.float64)
   n = len(log_w) // islands
-  blocks = [log_w[g * n:(g + 1) * n] for g in range(islands)]
+  blocks = [log_w[g * n : (g + 1) * n] for g in range(islands)]
   live = [g for g in range(islands) if np.isfinite(logsumexp(blocks[g]))]
   for g in live:
-    log_w[g * n:(g + 1) * n] = blocks[g] - logsumexp(blocks[g]) - np.log(len(live))
+    log_w[g * n : (g + 1) * n] = blocks[g] - logsumexp(blocks[g]) - np.log(len(live))
   return log_w
 
 
@@ -58,8 +59,8 @@ def island_ess(w, islands):
   n = len(w) // islands
   own = []
   for g in range(islands):
-    block = np.asarray(w[g * n:(g + 1) * n], np.float64)
-    own.append(block.sum() ** 2 / np.sum(block ** 2) if block.sum() > 0 else 0.0)
+    block = np.asarray(w[g * n : (g + 1) * n], np.float64)
+    own.append(block.sum() ** 2 / np.sum(block**2) if block.sum() > 0 else 0.0)
   return islands * min(own)
 
 
@@ -69,7 +70,7 @@ def island_sources(w, u, islands):
   n = len(w) // islands
   per_island = []
   for g in range(islands):
-    block = list(w[g * n:(g + 1) * n])
+    block = list(w[g * n : (g + 1) * n])
     own = survivor_slots(systematic_ancestors(block, u)) if sum(block) > 0 else None
     per_island.append(None if own is None else [g * n + a for a in own])
   src = []
@@ -98,14 +99,17 @@ def survivor_slots(ancestors):
 def _split(tree, pattern):
   """(rest, shared) by regex on '/'-joined paths, as nested dicts."""
   from flax import traverse_util
+
   flat = traverse_util.flatten_dict(tree, sep="/")
   pick = lambda keep: traverse_util.unflatten_dict(
-      {k: v for k, v in flat.items() if bool(pattern and re.search(pattern, k)) == keep}, sep="/")
+    {k: v for k, v in flat.items() if bool(pattern and re.search(pattern, k)) == keep}, sep="/"
+  )
   return pick(False), pick(True)
 
 
 def _merge(a, b):
   from flax import traverse_util
+
   flat = traverse_util.flatten_dict(a, sep="/")
   flat.update(traverse_util.flatten_dict(b, sep="/"))
   return traverse_util.unflatten_dict(flat, sep="/")
@@ -118,9 +122,24 @@ def _finite(tree):
 class Reference:
   """Holds per-particle lists and runs steps one particle at a time."""
 
-  def __init__(self, model, tx, spec, params, batch_stats, opt_state, log_weights, rng, shared=None,
-               shared_opt_state=None, shared_pattern="", loss_scale=None, growth_interval=2000,
-               minimum_scale=1.0, lr_fn=None):
+  def __init__(
+    self,
+    model,
+    tx,
+    spec,
+    params,
+    batch_stats,
+    opt_state,
+    log_weights,
+    rng,
+    shared=None,
+    shared_opt_state=None,
+    shared_pattern="",
+    loss_scale=None,
+    growth_interval=2000,
+    minimum_scale=1.0,
+    lr_fn=None,
+  ):
     self.spec = spec
     self.lr_fn = lr_fn  # spec.jitter_lr: the copies' noise is jitter + jitter_lr * lr_fn(step)
     self.accum_steps = spec.grad_accum_steps
@@ -144,8 +163,9 @@ class Reference:
     self.num_overflows = 0
 
     def loss_fn(params, batch_stats, image, label, scale):
-      logits, new = model.apply({"params": params, "batch_stats": batch_stats}, image, train=True,
-                                mutable=["batch_stats"])
+      logits, new = model.apply(
+        {"params": params, "batch_stats": batch_stats}, image, train=True, mutable=["batch_stats"]
+      )
       return scale * optax.softmax_cross_entropy_with_integer_labels(logits, label).mean(), new["batch_stats"]
 
     grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
@@ -178,8 +198,9 @@ class Reference:
     losses, grads, stats, alive = [], [], [], []
     shared_grads = []
     for i in range(p):
-      (loss, bs), g = self._accumulated_grad(_merge(self.params[i], self.shared), self.batch_stats[i], images[i],
-                                             labels[i])
+      (loss, bs), g = self._accumulated_grad(
+        _merge(self.params[i], self.shared), self.batch_stats[i], images[i], labels[i]
+      )
       g, g_shared = _split(g, self.pattern)
       shared_grads.append(g_shared)
       ok = bool(np.isfinite(loss)) and _finite(g)
@@ -208,8 +229,9 @@ class Reference:
         self.num_overflows += 1
         self.step += 1
         return record
-    log_w = np.array([s.forgetting * self.log_w[i] - s.temperature * losses[i] if alive[i] else -np.inf
-                      for i in range(p)])
+    log_w = np.array(
+      [s.forgetting * self.log_w[i] - s.temperature * losses[i] if alive[i] else -np.inf for i in range(p)]
+    )
     if not any(alive):
       self.step += 1
       return record
@@ -228,10 +250,17 @@ class Reference:
       self.params[i] = optax.apply_updates(self.params[i], updates)
       self.batch_stats[i] = stats[i]
     if s.elastic_pull:  # pull towards theta_bar = sum_j w_j theta_j (after every particle's update)
-      fused = jax.tree.map(lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0),
-                           *self.params)
-      self.params = [jax.tree.map(lambda x, f: ((1 - s.elastic_pull) * np.asarray(x, np.float64) + s.elastic_pull * f)
-                                  .astype(np.float32), prm, fused) for prm in self.params]
+      fused = jax.tree.map(
+        lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0), *self.params
+      )
+      self.params = [
+        jax.tree.map(
+          lambda x, f: ((1 - s.elastic_pull) * np.asarray(x, np.float64) + s.elastic_pull * f).astype(np.float32),
+          prm,
+          fused,
+        )
+        for prm in self.params
+      ]
     if self.pattern:  # one update of the shared parameters with the weighted consensus gradient
       consensus_shared = jax.tree.map(lambda *gs: sum(w[j] * gs[j] for j in range(p) if w[j] > 0), *shared_grads)
       updates, self.shared_opt_state = self._update(consensus_shared, self.shared_opt_state, self.shared)
@@ -240,8 +269,8 @@ class Reference:
     record["ess"] = ess
     record["log_weights"] = log_w
     resample = s.resampling and (
-        ess < s.ess_threshold * p or not all(alive)
-        or (s.resample_every > 0 and (self.step + 1) % s.resample_every == 0))
+      ess < s.ess_threshold * p or not all(alive) or (s.resample_every > 0 and (self.step + 1) % s.resample_every == 0)
+    )
     if resample:
       u = float(jax.random.uniform(jax.random.fold_in(key, 0)))
       src = island_sources(w, u, s.islands)
@@ -257,8 +286,9 @@ class Reference:
             leaves, treedef = jax.tree.flatten(self.params[n])
             eps = np.asarray(jax.random.normal(k, (sum(x.size for x in leaves),)))
             ends = np.cumsum([x.size for x in leaves])
-            leaves = [x + (sigma * eps[end - x.size:end].reshape(x.shape)).astype(x.dtype)
-                      for x, end in zip(leaves, ends)]
+            leaves = [
+              x + (sigma * eps[end - x.size : end].reshape(x.shape)).astype(x.dtype) for x, end in zip(leaves, ends)
+            ]
             self.params[n] = jax.tree.unflatten(treedef, leaves)
       log_w = np.full(p, -np.log(p))
       self.num_resamples += 1

@@ -1,4 +1,5 @@
 """The benchmark scripts run end to end at a tiny size (no timing is asserted)."""
+
 import json
 import os
 import subprocess
@@ -8,18 +9,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_module(module, *args, devices=1):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip())
-  r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=600)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip(),
+  )
+  r = subprocess.run(
+    [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   line = [x for x in r.stdout.splitlines() if x.startswith("SUMMARY ")][-1]
-  return json.loads(line[len("SUMMARY "):])
+  return json.loads(line[len("SUMMARY ") :])
 
 
 def test_gpu_resnet50_tiny_on_cpu(tmp_path):
-  s = run_module("benchmarks.gpu_resnet50", "--tiny", "--dtype", "float16", "--variants", "ddp,ipf L=2 map",
-                 "--trace", str(tmp_path), devices=2)  # bf16: test_tfds
+  s = run_module(
+    "benchmarks.gpu_resnet50",
+    "--tiny",
+    "--dtype",
+    "float16",
+    "--variants",
+    "ddp,ipf L=2 map",
+    "--trace",
+    str(tmp_path),
+    devices=2,
+  )  # bf16: test_tfds
   assert s["devices"] == 2 and s["model"] == "resnet_tiny" and s["dtype"] == "float16"
   rows = {r["variant"]: r for r in s["rows"]}
   assert set(rows) == {"ddp", "ipf L=2 map"} and s["best_particle_loop_L2"] == "map"
@@ -30,15 +44,34 @@ def test_gpu_resnet50_tiny_on_cpu(tmp_path):
 
 
 def test_memory_benchmark_tiny():
-  s = run_module("benchmarks.memory_resnet50", "--model", "resnet_tiny", "--image_size", "16",
-                 "--per_device_batch", "8", "--variants", "L=1,L=4")
+  s = run_module(
+    "benchmarks.memory_resnet50",
+    "--model",
+    "resnet_tiny",
+    "--image_size",
+    "16",
+    "--per_device_batch",
+    "8",
+    "--variants",
+    "L=1,L=4",
+  )
   peaks = s["peak_mib"]
   assert peaks["L=1"] > 0 and peaks["L=4"] > peaks["L=1"], "4 particles hold more state than 1"
 
 
 def test_precision_benchmark_tiny():
-  s = run_module("benchmarks.precision_digits", "--seeds", "1", "--steps", "6", "--cnn_features", "4,8",
-                 "--variants", "float32;float16, scale 1", devices=8)  # each dtype's step: tests/test_step.py
+  s = run_module(
+    "benchmarks.precision_digits",
+    "--seeds",
+    "1",
+    "--steps",
+    "6",
+    "--cnn_features",
+    "4,8",
+    "--variants",
+    "float32;float16, scale 1",
+    devices=8,
+  )  # each dtype's step: tests/test_step.py
   rows = s["results"]
   assert set(rows) == {"float32", "float16, scale 1"}
   assert rows["float16, scale 1"]["final_loss_scale"] == 1.0 and "final_loss_scale" not in rows["float32"]
@@ -46,8 +79,9 @@ def test_precision_benchmark_tiny():
 
 
 def test_fused_bn_benchmark_tiny():
-  s = run_module("benchmarks.fused_bn_digits", "--seeds", "1", "--steps", "6", "--batches", "2", "--cnn_features",
-                 "4,8", devices=8)
+  s = run_module(
+    "benchmarks.fused_bn_digits", "--seeds", "1", "--steps", "6", "--batches", "2", "--cnn_features", "4,8", devices=8
+  )
   assert len(s["results"]) == 3
   assert all(0 <= r["fused_bn_acc"] <= 1 and r["fused_bn_nll"] > 0 for r in s["results"].values())
 
@@ -60,8 +94,23 @@ def test_exchange_buckets_benchmark_tiny():
 
 def test_uncertainty_benchmark_tiny_with_a_calibration_set():
   method = "ipf correction=0 + islands=4 + init=independent (ess_threshold=0.9)"
-  s = run_module("benchmarks.uncertainty_digits", "--seeds", "1", "--steps", "6", "--cnn_features", "4,8",
-                 "--methods", method, "--variants", "full", "--calibration_fraction", "0.1", "--uniform", devices=8)
+  s = run_module(
+    "benchmarks.uncertainty_digits",
+    "--seeds",
+    "1",
+    "--steps",
+    "6",
+    "--cnn_features",
+    "4,8",
+    "--methods",
+    method,
+    "--variants",
+    "full",
+    "--calibration_fraction",
+    "0.1",
+    "--uniform",
+    devices=8,
+  )
   row, seeds = s["results"][f"full / {method}"], s["per_seed"][f"full / {method}"]
   assert seeds == {k: [v] for k, v in row.items()} and 0 <= row["shift_uni_ece"] <= 1 and 0 < row["ood_auroc_uni"] <= 1
   assert s["calibration_fraction"] == 0.1 and 0.25 <= row["T"] <= 8
@@ -83,13 +132,30 @@ def test_cpu_collectives_tiny():
 
 def test_fashion_mnist_study_method_names_survive_the_comma_list():
   from benchmarks import fashion_mnist
+
   assert not [m for m in fashion_mnist.METHODS if "," in m], "--methods is a comma list: a name cannot hold one"
 
 
 def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   out = tmp_path / "rows.jsonl"
-  args = ("--data_dir", fashion_dir, "--seeds", "1", "--steps", "4", "--cnn_features", "4,8", "--shift_examples",
-          "20", "--methods", "ipf ess_target=0.5", "--out", str(out), "--picture", str(tmp_path / "c.png"))
+  args = (
+    "--data_dir",
+    fashion_dir,
+    "--seeds",
+    "1",
+    "--steps",
+    "4",
+    "--cnn_features",
+    "4,8",
+    "--shift_examples",
+    "20",
+    "--methods",
+    "ipf ess_target=0.5",
+    "--out",
+    str(out),
+    "--picture",
+    str(tmp_path / "c.png"),
+  )
   s = run_module("benchmarks.fashion_mnist", *args, devices=8)
   (r,) = s["rows"]
   assert r["method"] == "ipf ess_target=0.5" and [json.loads(line) for line in open(out)] == [r]
@@ -101,7 +167,19 @@ def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
 
 
 def test_fashion_mnist_input_tiny(fashion_dir):
-  s = run_module("benchmarks.fashion_mnist_input", "--data_dir", fashion_dir, "--configs", "fashion_mnist",
-                 "--batches", "3", "--repeats", "1", "--rounds", "1", devices=8)
+  s = run_module(
+    "benchmarks.fashion_mnist_input",
+    "--data_dir",
+    fashion_dir,
+    "--configs",
+    "fashion_mnist",
+    "--batches",
+    "3",
+    "--repeats",
+    "1",
+    "--rounds",
+    "1",
+    devices=8,
+  )
   (row,) = s["rows"]
   assert row["model"] == "cnn" and row["pipeline_img_s"] > 0 and row["step_img_s"] > 0 and row["together_img_s"] > 0

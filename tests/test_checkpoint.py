@@ -1,4 +1,5 @@
 """Checkpoints: exact resume after SIGKILL, corrupt fallback, incompatible configs, resharded restore."""
+
 import json
 import os
 import shutil
@@ -36,8 +37,14 @@ def assert_same_state(a, b):
 def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cmd = helpers.train_py_argv(tmp_path, *FLAGS)
-  proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen(
+    cmd,
+    cwd=root,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
   try:
     for line in proc.stdout:  # bounded: the run ends by itself at step 30
       if f"step 17/{STEPS}" in line:
@@ -53,8 +60,10 @@ def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
   assert r.returncode == 0, r.stdout + r.stderr
   assert f"resumed from {tmp_path / 'checkpoints' / str(max(saved))} at step {max(saved)}" in r.stdout
   assert "config differs from the checkpoint's" not in r.stdout + r.stderr, "the same command changes nothing"
-  assert_same_state(helpers.load_checkpoint_numpy(tmp_path / "checkpoints" / str(STEPS) / "state"),
-                    helpers.load_checkpoint_numpy(uninterrupted / "checkpoints" / str(STEPS) / "state"))
+  assert_same_state(
+    helpers.load_checkpoint_numpy(tmp_path / "checkpoints" / str(STEPS) / "state"),
+    helpers.load_checkpoint_numpy(uninterrupted / "checkpoints" / str(STEPS) / "state"),
+  )
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_path):
@@ -70,14 +79,21 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_pat
   assert f"resumed from {workdir / 'checkpoints' / str(STEPS - 5)} at step {STEPS - 5}" in r.stdout
   assert (workdir / "checkpoints" / f"{STEPS}.unreadable").is_dir(), "the unreadable checkpoint must be kept"
   # Training the last 5 steps again reproduces the lost checkpoint exactly.
-  assert_same_state(helpers.load_checkpoint_numpy(latest / "state"),
-                    helpers.load_checkpoint_numpy(uninterrupted / "checkpoints" / str(STEPS) / "state"))
+  assert_same_state(
+    helpers.load_checkpoint_numpy(latest / "state"),
+    helpers.load_checkpoint_numpy(uninterrupted / "checkpoints" / str(STEPS) / "state"),
+  )
 
 
-@pytest.mark.parametrize("flag,field", [("--config.num_particles=4", "num_particles"),
-                                        ("--config.cnn_features=(16,32)", "cnn_features"),
-                                        ("--config.momentum=0.0", "momentum"),
-                                        ("--config.dtype=float16", "dtype")])
+@pytest.mark.parametrize(
+  "flag,field",
+  [
+    ("--config.num_particles=4", "num_particles"),
+    ("--config.cnn_features=(16,32)", "cnn_features"),
+    ("--config.momentum=0.0", "momentum"),
+    ("--config.dtype=float16", "dtype"),
+  ],
+)
 def test_incompatible_checkpoint_names_the_field(uninterrupted, tmp_path, flag, field):
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
@@ -103,8 +119,9 @@ def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
 
   target = helpers.tiny_config(num_particles=8)
   dst = helpers.Setup(target, dp, dd)
-  abstract, _ = state_lib.train_state_init(jax.random.PRNGKey(0), dst.task, dst.tx, helpers.digits_data().example, 8,
-                                           dst.mesh)
+  abstract, _ = state_lib.train_state_init(
+    jax.random.PRNGKey(0), dst.task, dst.tx, helpers.digits_data().example, 8, dst.mesh
+  )
   restored, meta = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(abstract, target)
   assert meta["num_devices"] == jax.device_count()
   assert restored.params["Dense_0"]["kernel"].sharding.mesh.shape == {"particle": dp, "data": dd}
@@ -122,8 +139,7 @@ def test_impossible_target_names_a_device_count_that_works():
 
 def test_float16_loss_scale_survives_a_restart(tmp_path):
   """The loss scale, its finite-step count and the overflow count are part of the saved state."""
-  config = helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0 ** 30,
-                               loss_scale_growth_interval=3)
+  config = helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0**30, loss_scale_growth_interval=3)
   src = helpers.Setup(config, 4, 2)
   for images, labels in helpers.particle_batches(4, 20):
     src.state, _ = src.train_step(src.state, src.put(images, labels))
@@ -132,8 +148,9 @@ def test_float16_loss_scale_survives_a_restart(tmp_path):
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path), async_save=False)
   ckpt.save(20, src.state, config)
   ckpt.close()
-  dst = helpers.Setup(helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0 ** 30,
-                                          loss_scale_growth_interval=3), 2, 1)
+  dst = helpers.Setup(
+    helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0**30, loss_scale_growth_interval=3), 2, 1
+  )
   restored, _ = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(dst.abstract, dst.config)
   assert_same_state(jax.device_get(restored), saved)
   assert restored.dynamic_scale.growth_interval == 3
@@ -145,8 +162,10 @@ def test_changed_fields_lists_every_difference_from_the_saved_config():
   now.islands, now.num_train_steps = 2, saved.num_train_steps + 10
   now.cnn_features, now.log_every_steps, now.num_cpu_devices = (16, 16, 32), 1, 2  # the last two: HOW_FIELDS
   assert compatibility.changed_fields(json.loads(saved.to_json()), now) == [
-      "cnn_features: [32, 64, 128] -> [16, 16, 32]", "islands: 1 -> 2",
-      f"num_train_steps: {saved.num_train_steps} -> {saved.num_train_steps + 10}"]
+    "cnn_features: [32, 64, 128] -> [16, 16, 32]",
+    "islands: 1 -> 2",
+    f"num_train_steps: {saved.num_train_steps} -> {saved.num_train_steps + 10}",
+  ]
   assert compatibility.changed_fields(json.loads(saved.to_json()), saved) == []
   assert compatibility.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> absent"]
 
@@ -155,11 +174,14 @@ def test_a_rerun_with_other_values_says_which_before_it_does_anything(uninterrup
   """``--dry_run`` on a finished run with another learning rate and retention: the plan names the field that
   decides what is trained, not the one that says how the run is run."""
   base_lr = digits.get_config().base_lr
-  r = helpers.run_train_py(uninterrupted, *FLAGS, f"--config.base_lr={base_lr / 2}", "--config.keep_checkpoints=9",
-                           "--dry_run")
+  r = helpers.run_train_py(
+    uninterrupted, *FLAGS, f"--config.base_lr={base_lr / 2}", "--config.keep_checkpoints=9", "--dry_run"
+  )
   assert r.returncode == 0, r.stdout + r.stderr
-  assert (f"with this run's values of the 1 config field(s) that differ from the checkpoint's "
-          f"(base_lr: {base_lr!r} -> {base_lr / 2!r})") in r.stdout + r.stderr
+  assert (
+    f"with this run's values of the 1 config field(s) that differ from the checkpoint's "
+    f"(base_lr: {base_lr!r} -> {base_lr / 2!r})"
+  ) in r.stdout + r.stderr
 
 
 def test_damage_is_decided_by_the_files_listed_at_commit(uninterrupted, tmp_path):
@@ -173,8 +195,9 @@ def test_damage_is_decided_by_the_files_listed_at_commit(uninterrupted, tmp_path
   assert checkpoint_lib.damage(str(path)) is None
   largest = max(written, key=written.get)
   os.truncate(path / largest, written[largest] // 2)
-  assert checkpoint_lib.damage(str(path)) == (f"{largest} holds {written[largest] // 2} bytes, written as "
-                                              f"{written[largest]} (truncated or changed)")
+  assert checkpoint_lib.damage(str(path)) == (
+    f"{largest} holds {written[largest] // 2} bytes, written as {written[largest]} (truncated or changed)"
+  )
   os.truncate(path / largest, written[largest])  # the size back (zeros): bytes that changed are not seen here
   os.remove(path / "state" / "_sharding")
   assert checkpoint_lib.damage(str(path)) == "state/_sharding is missing"
@@ -190,6 +213,7 @@ def test_a_restore_that_fails_for_another_reason_stops_and_moves_nothing(uninter
   """Files that check out but a restore that fails (here: out of memory) is not damage: one error naming
   the checkpoint, nothing set aside, whatever the error's words."""
   import orbax.checkpoint as ocp
+
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
   before = sorted(os.listdir(workdir / "checkpoints"))
@@ -201,8 +225,11 @@ def test_a_restore_that_fails_for_another_reason_stops_and_moves_nothing(uninter
     raise MemoryError("DATA_LOSS: not found")  # words the old message matching took for damage
 
   monkeypatch.setattr(ocp.StandardCheckpointer, "restore", restore)
-  with pytest.raises(compatibility.CheckpointError, match=rf"cannot restore {workdir / 'checkpoints' / str(STEPS)}: "
-                     r"MemoryError: DATA_LOSS: not found\. The checkpoint was left as it is"):
+  with pytest.raises(
+    compatibility.CheckpointError,
+    match=rf"cannot restore {workdir / 'checkpoints' / str(STEPS)}: "
+    r"MemoryError: DATA_LOSS: not found\. The checkpoint was left as it is",
+  ):
     checkpoint_lib.Checkpointer(str(workdir)).restore_latest(s.abstract, config)
   assert sorted(os.listdir(workdir / "checkpoints")) == before
   # The same checkpoint without its list (cut off after the commit) restores, and gets its list then.

@@ -1,4 +1,5 @@
 """Compressed consensus: int8 blocks, all_to_all + all_gather, error feedback without drift."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,17 +25,20 @@ def test_quantize_roundtrip_error_is_within_half_a_step():
 
 def consensus_fn(mesh, dp):
   tree_spec = {"a": P("particle"), "b": P("particle")}
-  fn = jax.shard_map(lambda g, w, r: compression.compressed_consensus(g, w, r, "particle", dp), mesh=mesh,
-                     in_specs=(tree_spec, P("particle"), P("particle")),
-                     out_specs=({"a": P(), "b": P()}, P("particle")),
-                     check_vma=False)
+  fn = jax.shard_map(
+    lambda g, w, r: compression.compressed_consensus(g, w, r, "particle", dp),
+    mesh=mesh,
+    in_specs=(tree_spec, P("particle"), P("particle")),
+    out_specs=({"a": P(), "b": P()}, P("particle")),
+    check_vma=False,
+  )
   return jax.jit(fn)
 
 
 @pytest.mark.parametrize("dp,dd,per_device", [(8, 1, 1), (4, 2, 2), (2, 4, 4)])
 def test_error_feedback_tracks_the_exact_running_sum(dp, dd, per_device):
   p = dp * per_device
-  mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
+  mesh = mesh_lib.make_mesh(p, jax.devices()[: dp * dd], dp)
   rng = np.random.default_rng(dp)
   shapes = {"a": (p, 37, 5), "b": (p, 300)}
   n = 37 * 5 + 300
@@ -66,8 +70,9 @@ def test_error_feedback_tracks_the_exact_running_sum(dp, dd, per_device):
 
 def test_compressed_ipf_step_follows_the_exact_reference():
   """Training with compression stays close to the uncompressed reference (no resampling, loose tolerance)."""
-  config = helpers.tiny_config(num_particles=8, temperature=1.0, correction=0.7, ess_threshold=0.0,
-                               compress_correction=True)
+  config = helpers.tiny_config(
+    num_particles=8, temperature=1.0, correction=0.7, ess_threshold=0.0, compress_correction=True
+  )
   s, ref, spmd, refr = run_both(config, 4, 2, num_steps=4)
   assert s.spec.compress_correction and s.host_state().residual.shape[0] == 8
   final = s.host_state()
@@ -77,8 +82,9 @@ def test_compressed_ipf_step_follows_the_exact_reference():
 
 
 def test_compressed_resampling_moves_residuals():
-  config = helpers.tiny_config(num_particles=8, temperature=1.0, correction=0.5, ess_threshold=0.0,
-                               resample_every=1, compress_correction=True)
+  config = helpers.tiny_config(
+    num_particles=8, temperature=1.0, correction=0.5, ess_threshold=0.0, resample_every=1, compress_correction=True
+  )
   s = helpers.Setup(config, 4, 2)
   images, labels = helpers.particle_batches(8, 1)[0]
   s.state, m = s.train_step(s.state, s.put(images, labels))

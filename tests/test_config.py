@@ -1,4 +1,5 @@
 """Configs that cannot work stop before compiling, naming the field and a fix."""
+
 import pytest
 
 from configs import default, digits
@@ -13,7 +14,9 @@ def cfg(**kw):
   return c
 
 
-@pytest.mark.parametrize("overrides,devices,field,hint", [
+@pytest.mark.parametrize(
+  "overrides,devices,field,hint",
+  [
     (dict(num_particles=12, particle_axis_size=8), 8, "num_particles", "multiple of 8"),
     (dict(num_particles=8, global_batch_size=100), 8, "global_batch_size", "multiple of 8"),
     (dict(num_particles=4, global_batch_size=36), 8, "global_batch_size", "4 x 2"),
@@ -56,8 +59,12 @@ def cfg(**kw):
     (dict(label_smoothing=1.0), 8, "label_smoothing", "[0, 1)"),
     (dict(grad_accum_steps=0), 8, "grad_accum_steps", ">= 1"),
     # 128 / (8 particles x 1) = 16 examples per particle and data shard: 3 micro-batches do not divide them
-    (dict(grad_accum_steps=3), 8, "grad_accum_steps", "use a divisor of 16 such as 2, or a global_batch_size "
-                                                      "that is a multiple of 24"),
+    (
+      dict(grad_accum_steps=3),
+      8,
+      "grad_accum_steps",
+      "use a divisor of 16 such as 2, or a global_batch_size that is a multiple of 24",
+    ),
     (dict(image_size=4), 8, "image_size", ">= 8"),
     (dict(shuffle_buffer=0), 8, "shuffle_buffer", ">= 1"),
     (dict(train_fraction=0.0), 8, "train_fraction", "(0, 1]"),
@@ -70,7 +77,7 @@ def cfg(**kw):
     (dict(base_lr=float("inf")), 8, "base_lr", "finite number"),
     (dict(train_fraction=float("nan")), 8, "train_fraction", "finite number"),
     (dict(seed=-1), 8, "seed", "[0, 2**32)"),
-    (dict(seed=2 ** 32), 8, "seed", "[0, 2**32)"),
+    (dict(seed=2**32), 8, "seed", "[0, 2**32)"),
     (dict(checkpoint_every_minutes=-1.0), 8, "checkpoint_every_minutes", ">= 0"),
     (dict(time_limit_minutes=-1.0), 8, "time_limit_minutes", ">= 0"),
     (dict(dtype="float64"), 8, "dtype", "float32, bfloat16, float16"),
@@ -84,7 +91,8 @@ def cfg(**kw):
     (dict(particle_axis_size=-1), 8, "particle_axis_size", ">= 0"),
     (dict(global_batch_size=0), 8, "global_batch_size", ">= 1"),
     (dict(num_particles=0), 8, "num_particles", ">= 1"),
-])
+  ],
+)
 def test_bad_config_names_field_and_fix(overrides, devices, field, hint):
   with pytest.raises(ConfigError) as e:
     validation.validate(cfg(**overrides), devices)
@@ -93,26 +101,38 @@ def test_bad_config_names_field_and_fix(overrides, devices, field, hint):
   assert hint in str(e.value)
 
 
-@pytest.mark.parametrize("field,value,hint", [("dataset", "mnist", "digits, imagenet2012"),
-                                              ("model", "vgg16", "cnn, resnet18")])
+@pytest.mark.parametrize(
+  "field,value,hint", [("dataset", "mnist", "digits, imagenet2012"), ("model", "vgg16", "cnn, resnet18")]
+)
 def test_unknown_dataset_or_model_is_refused_where_it_is_built(field, value, hint):
   """The names are checked by the registries that build them (configuration imports neither)."""
   from ipf_jax.data import create_dataset
   from ipf_jax.models import create_model
+
   config = cfg(**{field: value})
   with pytest.raises(ConfigError) as e:
     create_dataset(config) if field == "dataset" else create_model(config, 10)
   assert e.value.field == field and hint in str(e.value)
 
 
-@pytest.mark.parametrize("overrides,field,hint", [
-    (dict(global_batch_size=2048), "global_batch_size", "larger than the digits training set (1347 examples); use at "
-                                                        "most 1347 (a multiple of 8, e.g. 1344)"),
-    (dict(train_fraction=0.01, global_batch_size=128), "train_fraction", "0.01 keeps 13 training examples, fewer than "
-                                                                         "one global batch (global_batch_size=128)"),
-])
+@pytest.mark.parametrize(
+  "overrides,field,hint",
+  [
+    (
+      dict(global_batch_size=2048),
+      "global_batch_size",
+      "larger than the digits training set (1347 examples); use at most 1347 (a multiple of 8, e.g. 1344)",
+    ),
+    (
+      dict(train_fraction=0.01, global_batch_size=128),
+      "train_fraction",
+      "0.01 keeps 13 training examples, fewer than one global batch (global_batch_size=128)",
+    ),
+  ],
+)
 def test_one_global_batch_must_fit_in_the_training_set(overrides, field, hint):
   from ipf_jax.data import create_dataset
+
   config = cfg(**overrides)
   with pytest.raises(ConfigError) as e:
     validation.validate_data(config, create_dataset(config).train_size, 8)
@@ -121,6 +141,7 @@ def test_one_global_batch_must_fit_in_the_training_set(overrides, field, hint):
 
 def test_every_default_config_is_valid():
   from configs import cifar10_r18, cifar100_r18, imagenet_r50
+
   for module in (default, digits, imagenet_r50, cifar10_r18, cifar100_r18):
     validation.validate(module.get_config(), 8)
 
@@ -131,8 +152,9 @@ def test_config_types_are_locked_by_ml_collections():
     c.num_particles = "eight"
 
 
-@pytest.mark.parametrize("p,devices,expect", [(8, 8, (8, 1)), (1, 8, (1, 8)), (4, 8, (4, 2)), (16, 8, (8, 1)),
-                                              (6, 4, (2, 2)), (2, 1, (1, 1))])
+@pytest.mark.parametrize(
+  "p,devices,expect", [(8, 8, (8, 1)), (1, 8, (1, 8)), (4, 8, (4, 2)), (16, 8, (8, 1)), (6, 4, (2, 2)), (2, 1, (1, 1))]
+)
 def test_mesh_shape(p, devices, expect):
   assert validation.validate(cfg(num_particles=p, global_batch_size=48 * 8), devices) == expect
 

@@ -1,4 +1,5 @@
 """The embedded digits data, its harder variant, batch order and the prefetch thread."""
+
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ def test_digits_split_is_fixed_and_real():
   assert data.train["image"].shape == (1347, 8, 8, 1) and data.test["image"].shape == (450, 8, 8, 1)
   assert data.train["image"].min() == 0.0 and data.train["image"].max() == 1.0
   from sklearn.datasets import load_digits
+
   full = load_digits()
   expected = 0.25 * np.bincount(full.target)
   assert np.all(np.abs(np.bincount(data.test["label"]) - expected) <= 1), "stratified 75/25 split"
@@ -28,9 +30,13 @@ def test_batch_order_depends_only_on_seed_and_step():
   np.testing.assert_array_equal(a["label"], b["label"])
   epoch0 = np.concatenate([data.train_batch(k, 128, 5)["label"] for k in range(per_epoch)])
   assert len(epoch0) == per_epoch * 128
-  seen = np.concatenate([np.nonzero((data.train["image"].reshape(1347, -1) ==
-                                     img.reshape(1, -1)).all(1))[0][:1]
-                         for k in range(2) for img in data.train_batch(k, 128, 5)["image"]])
+  seen = np.concatenate(
+    [
+      np.nonzero((data.train["image"].reshape(1347, -1) == img.reshape(1, -1)).all(1))[0][:1]
+      for k in range(2)
+      for img in data.train_batch(k, 128, 5)["image"]
+    ]
+  )
   assert len(set(seen.tolist())) == 256, "no example twice within an epoch"
 
 
@@ -65,7 +71,7 @@ def test_prefetch_passes_batches_and_errors():
 
   def endless():
     try:
-      yield from range(10 ** 9)
+      yield from range(10**9)
     finally:
       closed.append(True)
 
@@ -79,6 +85,7 @@ def test_a_set_smaller_than_the_eval_batch_is_one_batch_of_its_size():
   """A shifted set of 20 images is evaluated in one batch of 24 on 8 devices, not padded to 1,000 (which
   cost the Fashion-MNIST study 25 x 1,000 evaluated images for 25 x 20); a larger set keeps the batch."""
   import jax
+
   mesh = jax.make_mesh((4, 2), ("particle", "data"))
   assert layout.eval_batch_sizes(1000, mesh, examples=20) == (24, 24)
   assert layout.eval_batch_sizes(1000, mesh, examples=3) == (8, 8)

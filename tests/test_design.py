@@ -1,6 +1,7 @@
 """docs/DESIGN.md is the design the code cites: every ``DESIGN.md §N`` / ``DESIGN.md "Name"`` reference in the
 code, tests, configs, examples and docs resolves to one of its headings (and every ``BENCHMARKS.md "Name"``
 to one of BENCHMARKS.md's), and its layout names every module."""
+
 import json
 import os
 import re
@@ -24,7 +25,7 @@ def headings(text: str) -> tuple[set, set]:
       number = re.match(r"(\d+(?:\.\d+)*)\.?\s+", text)
       if number:
         numbers.add(number.group(1))
-        text = text[number.end():]
+        text = text[number.end() :]
       names.add(re.split(r":|;| \(", text)[0].strip())
   return numbers, names
 
@@ -33,8 +34,17 @@ def sources() -> dict:
   """``{relative path: text}`` of the project's own files that may cite the documents (notebook cells'
   sources as text)."""
   out = {}
-  for top in ("ipf_jax", "tests", "benchmarks", "configs", "examples", "docs", "README.md", "BENCHMARKS.md",
-              "train.py"):
+  for top in (
+    "ipf_jax",
+    "tests",
+    "benchmarks",
+    "configs",
+    "examples",
+    "docs",
+    "README.md",
+    "BENCHMARKS.md",
+    "train.py",
+  ):
     path = os.path.join(ROOT, top)
     files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
     for f in files:
@@ -74,20 +84,30 @@ def test_every_design_and_benchmarks_reference_resolves_to_a_heading():
 
 
 def test_a_reference_to_a_missing_heading_is_found():
-  docs = {"DESIGN.md": "## 3. One step\n### 3.5 Resampling\n## 7. Durability: promises\n```\n## 9. Fenced\n```\n",
-          "BENCHMARKS.md": "## Scaling: the exchange\n"}
-  texts = {"a.py": 'DESIGN.md §3.5. DESIGN.md "Durability" (`BENCHMARKS.md`, "Scaling") DESIGN.md §3',
-           "b.py": 'DESIGN.md §3.5.9 and DESIGN.md §4, DESIGN.md "Dur", DESIGN.md §9, BENCHMARKS.md "Scal"'}
+  docs = {
+    "DESIGN.md": "## 3. One step\n### 3.5 Resampling\n## 7. Durability: promises\n```\n## 9. Fenced\n```\n",
+    "BENCHMARKS.md": "## Scaling: the exchange\n",
+  }
+  texts = {
+    "a.py": 'DESIGN.md §3.5. DESIGN.md "Durability" (`BENCHMARKS.md`, "Scaling") DESIGN.md §3',
+    "b.py": 'DESIGN.md §3.5.9 and DESIGN.md §4, DESIGN.md "Dur", DESIGN.md §9, BENCHMARKS.md "Scal"',
+  }
   missing, found = unresolved(texts, docs)
   assert found == 9
-  assert missing == [("b.py", "DESIGN.md", "3.5.9"), ("b.py", "DESIGN.md", "4"), ("b.py", "DESIGN.md", "Dur"),
-                     ("b.py", "DESIGN.md", "9"), ("b.py", "BENCHMARKS.md", "Scal")]
+  assert missing == [
+    ("b.py", "DESIGN.md", "3.5.9"),
+    ("b.py", "DESIGN.md", "4"),
+    ("b.py", "DESIGN.md", "Dur"),
+    ("b.py", "DESIGN.md", "9"),
+    ("b.py", "BENCHMARKS.md", "Scal"),
+  ]
 
 
 def test_the_layout_names_every_module():
   text = documents()["DESIGN.md"]
-  layout = text[text.index("## 9. Layout"):text.index("## 10.")]
-  modules = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "ipf_jax"))
-                   if f.endswith(".py") and f != "__init__.py")
+  layout = text[text.index("## 9. Layout") : text.index("## 10.")]
+  modules = sorted(
+    f[:-3] for f in os.listdir(os.path.join(ROOT, "ipf_jax")) if f.endswith(".py") and f != "__init__.py"
+  )
   missing = [m for m in modules if not re.search(rf"\b{m}\.py\b", layout)]
   assert not missing, f"docs/DESIGN.md's layout does not name: {missing}"

@@ -1,6 +1,7 @@
 """Options that keep the population diverse (issue: Uncertainty), against numpy: the ESS-targeted
 temperature (pure function and inside the step on two meshes), the learning-rate-scaled jitter, and the
 seed's recipe (rho = 0, lr = base_lr sqrt(devices x P))."""
+
 import dataclasses
 
 import jax
@@ -19,7 +20,7 @@ def np_ess(prev, loss, alive, tau, rho):
   raw = np.where(alive, rho * prev - tau * np.where(alive, loss, 0), -np.inf)
   w = np.exp(raw - raw[alive].max())
   w = w / w.sum()
-  return 1.0 / np.sum(w ** 2)
+  return 1.0 / np.sum(w**2)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -30,8 +31,11 @@ def test_adaptive_temperature_is_the_largest_that_keeps_the_ess(seed):
   loss = rng.gamma(2.0, 0.5, p)
   alive = rng.random(p) > 0.1
   rho, tau_max, target = 0.9, 50.0, 0.5 * alive.sum() * 0.8
-  tau = float(pf.adaptive_temperature(jnp.asarray(prev, jnp.float32), jnp.asarray(loss, jnp.float32),
-                                      jnp.asarray(alive), tau_max, rho, target))
+  tau = float(
+    pf.adaptive_temperature(
+      jnp.asarray(prev, jnp.float32), jnp.asarray(loss, jnp.float32), jnp.asarray(alive), tau_max, rho, target
+    )
+  )
   grid = np.linspace(0, tau_max, 20001)  # brute force: the largest grid tau that keeps the ESS
   ok = np.array([np_ess(prev, loss, alive, t, rho) >= target for t in grid])
   if ok.all():
@@ -49,8 +53,9 @@ def test_step_with_ess_target_reweighs_with_the_adaptive_temperature(dp, dd):
   """Each step: tau_t <= temperature, the weights are rho log w - tau_t loss normalised, and their ESS
   is at the target (or tau_t = temperature already keeps it); ``temperature`` is in the metrics."""
   p = 8
-  config = helpers.tiny_config(num_particles=p, ess_target=0.6, temperature=200.0, ess_threshold=0.5,
-                               init="independent")
+  config = helpers.tiny_config(
+    num_particles=p, ess_target=0.6, temperature=200.0, ess_threshold=0.5, init="independent"
+  )
   s = helpers.Setup(config, dp, dd)
   for images, labels in helpers.particle_batches(p, 3):
     prev = np.asarray(jax.device_get(s.state.log_weights), np.float64)
@@ -80,8 +85,11 @@ def test_jitter_scaled_by_the_learning_rate():
   sigma = jax.device_put(jnp.float32(0.25), jax.sharding.NamedSharding(mesh, spec_r))
   src = jnp.asarray([0, 0])
   key = jax.random.PRNGKey(0)
-  noisy = jax.jit(jax.shard_map(lambda p, s: pf.jitter(p, src, key, s, "particle"), mesh=mesh,
-                                in_specs=(spec_p, spec_r), out_specs=spec_p))(params, sigma)
+  noisy = jax.jit(
+    jax.shard_map(
+      lambda p, s: pf.jitter(p, src, key, s, "particle"), mesh=mesh, in_specs=(spec_p, spec_r), out_specs=spec_p
+    )
+  )(params, sigma)
   expected = 0.25 * jax.random.normal(jax.random.fold_in(key, 1), (3,))
   np.testing.assert_array_equal(np.asarray(noisy["w"][0]), 0)
   np.testing.assert_allclose(np.asarray(noisy["w"][1]), np.asarray(expected), rtol=1e-6)
@@ -102,9 +110,11 @@ def test_weigh_on_common_examples_against_a_plain_model(dp, dd):
   """weigh_on=common: every particle's weight comes from its loss (train mode, forward only) on the
   same examples, the first common_examples of every particle's part of each data shard."""
   import optax
+
   p, k = 8, 2
-  config = helpers.tiny_config(num_particles=p, weigh_on="common", common_examples=k, init="independent",
-                               ess_threshold=0.0)
+  config = helpers.tiny_config(
+    num_particles=p, weigh_on="common", common_examples=k, init="independent", ess_threshold=0.0
+  )
   s = helpers.Setup(config, dp, dd)
   images, labels = next(iter(helpers.particle_batches(p, 1)))
   host = s.host_state()
@@ -114,8 +124,10 @@ def test_weigh_on_common_examples_against_a_plain_model(dp, dd):
   x, y = np.stack([images[i, t] for i, t in idx]), np.stack([labels[i, t] for i, t in idx])
   score = []
   for i in range(p):
-    variables = {"params": jax.tree.map(lambda a: a[i], host.params),
-                 "batch_stats": jax.tree.map(lambda a: a[i], host.batch_stats)}
+    variables = {
+      "params": jax.tree.map(lambda a: a[i], host.params),
+      "batch_stats": jax.tree.map(lambda a: a[i], host.batch_stats),
+    }
     logits, _ = s.plain_model.apply(variables, x, train=True, mutable=["batch_stats"])
     score.append(float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()))
   score = np.array(score)

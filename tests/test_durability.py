@@ -5,6 +5,7 @@ damaged, two runs on one workdir, readers on a killed run's files, a full disk.
 Each interrupted run is resumed and must end with the uninterrupted run's
 final table and state, bit for bit.
 """
+
 import json
 import os
 import random
@@ -21,8 +22,13 @@ from ipf_jax.reporting import report
 from tests import helpers
 
 STEPS = 30
-FLAGS = (f"--config.num_train_steps={STEPS}", "--config.checkpoint_every_steps=10", "--config.log_every_steps=1",
-         "--config.eval_every_steps=10", "--config.fused_bn_batches=2")
+FLAGS = (
+  f"--config.num_train_steps={STEPS}",
+  "--config.checkpoint_every_steps=10",
+  "--config.log_every_steps=1",
+  "--config.eval_every_steps=10",
+  "--config.fused_bn_batches=2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +54,17 @@ def listing(path):
   """Every file under ``path`` with its content hash (but the lock file, which names its holder): what
   "nothing was touched" compares."""
   import hashlib
-  return sorted((os.path.relpath(os.path.join(d, f), path),
-                 hashlib.sha1(open(os.path.join(d, f), "rb").read()).hexdigest())
-                for d, _, files in os.walk(path) for f in files if f != ".lock")
+
+  return sorted(
+    (os.path.relpath(os.path.join(d, f), path), hashlib.sha1(open(os.path.join(d, f), "rb").read()).hexdigest())
+    for d, _, files in os.walk(path)
+    for f in files
+    if f != ".lock"
+  )
 
 
 # ---- preemption: SIGTERM / SIGINT, then resume ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_saves_then_resume_equals_uninterrupted(uninterrupted, tmp_path, sig, code):
@@ -81,6 +92,7 @@ def test_signal_saves_then_resume_equals_uninterrupted(uninterrupted, tmp_path, 
 
 def small_config(**kw):
   from configs import digits
+
   config = digits.get_config()
   config.num_train_steps, config.log_every_steps, config.checkpoint_every_steps = 12, 1, 5
   config.eval_batch_size = 150
@@ -93,6 +105,7 @@ def small_config(**kw):
 @pytest.fixture(scope="module")
 def in_process_reference(tmp_path_factory):
   from ipf_jax.runtime import trainer
+
   workdir = tmp_path_factory.mktemp("in_process")
   return workdir, trainer.train_and_evaluate(small_config(), str(workdir))
 
@@ -103,6 +116,7 @@ def test_signal_during_compilation_evaluation_and_final_evaluation(in_process_re
   final evaluation (BN re-estimation): the last checkpoint is already committed; a rerun only
   evaluates. Each ends where the uninterrupted run ends."""
   from ipf_jax.runtime import preemption, trainer
+
   reference_dir, reference = in_process_reference
 
   def signal_first(step, state, batch):
@@ -153,6 +167,7 @@ def test_checkpoints_off_never_start_over_on_a_run(uninterrupted, tmp_path):
   shutil.copytree(uninterrupted[0], workdir)
   before = listing(workdir)
   from ipf_jax.runtime import checkpoint, trainer
+
   with pytest.raises(checkpoint.CheckpointError, match="checkpoint_every_steps=-1 cannot resume it"):
     trainer.train_and_evaluate(small_config(checkpoint_every_steps=-1), str(workdir))
   assert listing(workdir) == before
@@ -163,11 +178,15 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
   import collections
 
   from ipf_jax.runtime import checkpoint, trainer
+
   config = small_config(num_train_steps=3, checkpoint_every_steps=2)
   usage = collections.namedtuple("usage", "total used free")
   monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10 << 20, 10 << 20, 1 << 20))
-  with pytest.raises(checkpoint.SaveError, match=r"saving checkpoint 2 to .* failed: no space left on the device "
-                     r"\(about [\d.]+ MiB needed\); 1.0 MiB free of 10.0 MiB there. No complete checkpoint exists"):
+  with pytest.raises(
+    checkpoint.SaveError,
+    match=r"saving checkpoint 2 to .* failed: no space left on the device "
+    r"\(about [\d.]+ MiB needed\); 1.0 MiB free of 10.0 MiB there. No complete checkpoint exists",
+  ):
     trainer.train_and_evaluate(config, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints") or os.listdir(tmp_path / "checkpoints") == []
   assert (tmp_path / "eval_results.json").exists(), "the state in memory was still evaluated"
@@ -175,6 +194,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
 
 def test_time_limit_and_wall_clock_saves(tmp_path):
   from ipf_jax.runtime import preemption, trainer
+
   config = small_config(num_train_steps=40, checkpoint_every_steps=0)
   config.checkpoint_every_minutes = 1e-9  # every log step is due
   config.time_limit_minutes = 1e-9
@@ -190,16 +210,20 @@ def test_time_limit_and_wall_clock_saves(tmp_path):
 
 # ---- restore errors are not corruption ------------------------------------------------------------------------
 
+
 def test_config_change_stops_naming_the_field_and_touches_nothing(uninterrupted, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted[0], workdir)
   before = listing(workdir)
   r = helpers.run_train_py(workdir, *FLAGS, "--config.cnn_features=(16,64,128)")
   assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-  assert ("does not fit this run's state: params/BatchNorm_0/bias is (8, 8) float32 there and (8, 16) float32 "
-          "here") in r.stderr
-  assert "It was written with config.cnn_features=[8, 16, 32]; this run has config.cnn_features=[16, 64, 128]" \
-      in r.stderr and "--config.cnn_features=(8,16,32)" in r.stderr
+  assert (
+    "does not fit this run's state: params/BatchNorm_0/bias is (8, 8) float32 there and (8, 16) float32 here"
+  ) in r.stderr
+  assert (
+    "It was written with config.cnn_features=[8, 16, 32]; this run has config.cnn_features=[16, 64, 128]" in r.stderr
+    and "--config.cnn_features=(8,16,32)" in r.stderr
+  )
   assert listing(workdir) == before, "nothing is renamed, replaced or overwritten (config.json included)"
 
 
@@ -207,6 +231,7 @@ def test_the_fields_that_decide_a_shape_are_derived_from_the_state(tmp_path):
   """small_inputs changes a ResNet stem's kernel but was on no list: the derivation finds it."""
   from configs import digits
   from ipf_jax.runtime import checkpoint, compatibility, trainer
+
   config = digits.get_config()
   config.model = "resnet_tiny"
   run = trainer._Run(config, str(tmp_path))
@@ -214,10 +239,19 @@ def test_the_fields_that_decide_a_shape_are_derived_from_the_state(tmp_path):
     changed = digits.get_config()
     changed.model, changed.small_inputs, changed.seed, changed.base_lr = "resnet_tiny", True, 3, 0.5
     assert compatibility.decisive_fields(json.loads(changed.to_json()), config, run.state_signature) == ["small_inputs"]
-    with pytest.raises(checkpoint.CheckpointError, match=r"params/conv_init/kernel is \(8, 3, 3, 1, 8\) float32 "
-                       r"there and \(8, 7, 7, 1, 8\) float32 here.*It was written with config.small_inputs=True"):
-      compatibility.check_compatible(run.state_signature(changed), json.loads(changed.to_json()),
-                                     run.state_signature(config), config, "ckpt", run.state_signature)
+    with pytest.raises(
+      checkpoint.CheckpointError,
+      match=r"params/conv_init/kernel is \(8, 3, 3, 1, 8\) float32 "
+      r"there and \(8, 7, 7, 1, 8\) float32 here.*It was written with config.small_inputs=True",
+    ):
+      compatibility.check_compatible(
+        run.state_signature(changed),
+        json.loads(changed.to_json()),
+        run.state_signature(config),
+        config,
+        "ckpt",
+        run.state_signature,
+      )
   finally:
     run.close()
 
@@ -239,6 +273,7 @@ def test_every_checkpoint_unreadable_stops_and_touches_nothing(uninterrupted, tm
 
 # ---- one run per workdir --------------------------------------------------------------------------------------
 
+
 def test_second_run_on_a_workdir_is_refused_naming_the_holder(tmp_path):
   first = helpers.Running(helpers.train_py_argv(tmp_path, "--config.num_train_steps=400", "--config.log_every_steps=1"))
   try:
@@ -252,12 +287,14 @@ def test_second_run_on_a_workdir_is_refused_naming_the_holder(tmp_path):
     first.signal(signal.SIGKILL)
     first.finish()
   from ipf_jax.runtime import workdir as workdir_lib
+
   lock = workdir_lib.Lock(str(tmp_path))  # the kernel released the killed run's lock: the next run may start
   lock.acquire()
   lock.release()
 
 
 # ---- readers tolerate what writers leave; they create nothing ----------------------------------------------------
+
 
 def test_report_reads_a_killed_runs_truncated_events(uninterrupted, tmp_path):
   workdir = tmp_path / "w"
@@ -267,11 +304,12 @@ def test_report_reads_a_killed_runs_truncated_events(uninterrupted, tmp_path):
   size = os.path.getsize(workdir / events)
   os.truncate(workdir / events, size - 9)  # the last record cut off, as SIGKILL leaves it
   cut = report.read_scalars(str(workdir))
-  assert len(cut["train/loss"][0]) >= STEPS - 1 and np.array_equal(cut["train/loss"][1],
-                                                                    full["train/loss"][1][:len(cut["train/loss"][0])])
-  r = subprocess.run([os.sys.executable, "-m", "ipf_jax.reporting", str(workdir)], cwd=helpers.ROOT,
-                     capture_output=True,
-                     text=True)
+  assert len(cut["train/loss"][0]) >= STEPS - 1 and np.array_equal(
+    cut["train/loss"][1], full["train/loss"][1][: len(cut["train/loss"][0])]
+  )
+  r = subprocess.run(
+    [os.sys.executable, "-m", "ipf_jax.reporting", str(workdir)], cwd=helpers.ROOT, capture_output=True, text=True
+  )
   assert r.returncode == 0 and len(os.listdir(workdir / "report")) == 5, r.stderr  # + calibration.png
 
 
@@ -279,8 +317,9 @@ def test_readers_create_nothing_and_replace_nothing(uninterrupted, tmp_path):
   missing = tmp_path / "typo"
   r = helpers.run_train_py(missing, "--eval_only")
   assert r.returncode == 1 and "does not exist" in r.stderr and not missing.exists()
-  r = subprocess.run([os.sys.executable, "-m", "ipf_jax.reporting", str(missing)], cwd=helpers.ROOT,
-                     capture_output=True, text=True)
+  r = subprocess.run(
+    [os.sys.executable, "-m", "ipf_jax.reporting", str(missing)], cwd=helpers.ROOT, capture_output=True, text=True
+  )
   assert r.returncode != 0 and "does not exist" in r.stderr and not missing.exists()
 
   workdir = tmp_path / "w"
@@ -303,6 +342,7 @@ def test_readers_create_nothing_and_replace_nothing(uninterrupted, tmp_path):
 
 # ---- a full disk ----------------------------------------------------------------------------------------------
 
+
 def _tmpfs(path, megabytes):
   """A small tmpfs at ``path``, or None where this machine does not allow mounting one."""
   path.mkdir()
@@ -314,8 +354,12 @@ def _tmpfs(path, megabytes):
 def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
   """tmpfs: the disk fills before a save (caught before anything is written). file_size: writes fail in the
   middle of a background save (RLIMIT_FSIZE), the failure path a disk filled by someone else takes."""
-  flags = ("--config.num_train_steps=30", "--config.checkpoint_every_steps=10", "--config.log_every_steps=10",
-           "--config.keep_checkpoints=1")
+  flags = (
+    "--config.num_train_steps=30",
+    "--config.checkpoint_every_steps=10",
+    "--config.log_every_steps=10",
+    "--config.keep_checkpoints=1",
+  )
   if limit == "tmpfs":
     mount = _tmpfs(tmp_path / "mnt", 9)
     if mount is None:
@@ -327,6 +371,7 @@ def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
     def preexec():  # files beyond 2 MB cannot be written; a checkpoint's data files are larger
       signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
       resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
   try:
     r = helpers.run_train_py(workdir, *flags, preexec_fn=preexec, full_model=True)  # checkpoints of the sizes above
   finally:
@@ -350,16 +395,26 @@ def test_full_disk_stops_cleanly_keeping_the_last_checkpoint(tmp_path, limit):
 
 # ---- bad input: one line each ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags,message", [
+
+@pytest.mark.parametrize(
+  "flags,message",
+  [
     (["--config.temperature=inf"], "error: config.temperature: must be a finite number, got inf"),
     (["--config.seed=-1"], "error: config.seed: must be an integer in [0, 2**32), got -1"),
-    (["--config.foo=1"], "error: --config.foo=1: the config has no field 'foo'; ipf_jax/config/defaults.py lists "
-                         "every"),
-    (["--config.temprature=3"], "error: --config.temprature=3: the config has no field 'temprature'; did you mean "
-                                "--config.temperature?"),
-    (["--config.train_fraction=0.001", "--config.global_batch_size=2048"],
-     "error: config.train_fraction: 0.001 keeps 1 training example, fewer than one global batch"),
-])
+    (
+      ["--config.foo=1"],
+      "error: --config.foo=1: the config has no field 'foo'; ipf_jax/config/defaults.py lists every",
+    ),
+    (
+      ["--config.temprature=3"],
+      "error: --config.temprature=3: the config has no field 'temprature'; did you mean --config.temperature?",
+    ),
+    (
+      ["--config.train_fraction=0.001", "--config.global_batch_size=2048"],
+      "error: config.train_fraction: 0.001 keeps 1 training example, fewer than one global batch",
+    ),
+  ],
+)
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, flags, message):
   r = helpers.run_train_py(tmp_path / "w", *flags)
   assert r.returncode in (1, 2) and r.stderr.strip().startswith(message), r.stderr
@@ -368,6 +423,7 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, flags, message):
 
 def test_divergence_without_checkpoint_says_so(tmp_path):
   from ipf_jax.runtime import trainer
+
   config = small_config(num_train_steps=6, checkpoint_every_steps=0)
 
   def hook(step, state, batch):

@@ -1,4 +1,5 @@
 """The eval step (every particle, both ensembles, the fused model) against numpy, on several meshes."""
+
 import itertools
 
 import jax
@@ -44,16 +45,22 @@ def test_eval_matches_numpy(dp, dd, p, loop):
 
   x, y = data.test["image"], data.test["label"]
   apply = jax.jit(lambda v: jax.nn.softmax(s.plain_model.apply(v, x, train=False)))
-  variables = lambda i: {"params": jax.tree.map(lambda a: a[i], host.params),
-                         "batch_stats": jax.tree.map(lambda a: a[i], host.batch_stats)}
+  variables = lambda i: {
+    "params": jax.tree.map(lambda a: a[i], host.params),
+    "batch_stats": jax.tree.map(lambda a: a[i], host.batch_stats),
+  }
   w = np.exp(log_w.astype(np.float64))
   alive = [i for i in range(p) if w[i] > 0]
   probs = {i: np.asarray(apply(variables(i)), np.float64) for i in range(p)}
-  fused = jax.tree.map(lambda a: np.sum([w[i] * a[i] for i in alive], axis=0).astype(np.float32),
-                       {"params": host.params, "batch_stats": host.batch_stats})
-  expected = {"ensemble": numpy_metrics(sum(w[i] * probs[i] for i in alive), y),
-              "ensemble_uniform": numpy_metrics(sum(probs[i] for i in alive) / len(alive), y),
-              "fused": numpy_metrics(np.asarray(apply(fused), np.float64), y)}
+  fused = jax.tree.map(
+    lambda a: np.sum([w[i] * a[i] for i in alive], axis=0).astype(np.float32),
+    {"params": host.params, "batch_stats": host.batch_stats},
+  )
+  expected = {
+    "ensemble": numpy_metrics(sum(w[i] * probs[i] for i in alive), y),
+    "ensemble_uniform": numpy_metrics(sum(probs[i] for i in alive) / len(alive), y),
+    "fused": numpy_metrics(np.asarray(apply(fused), np.float64), y),
+  }
   for key, exp in expected.items():
     for metric, value in exp.items():
       np.testing.assert_allclose(results[key][metric], value, rtol=1e-4, atol=1e-5, err_msg=f"{key} {metric}")
@@ -76,7 +83,7 @@ def _conv3x3_same(x, kernel):
   out = np.zeros((n, h, w, kernel.shape[-1]))
   for di in range(3):
     for dj in range(3):
-      out += padded[:, di:di + h, dj:dj + w, :] @ kernel[di, dj]
+      out += padded[:, di : di + h, dj : dj + w, :] @ kernel[di, dj]
   return out
 
 
@@ -98,15 +105,19 @@ def test_fused_bn_statistics_match_plain_computation(dp, dd, p, loop):
   fused = jax.tree.map(lambda a: np.tensordot(w, a, axes=1).astype(np.float32), host.params)
   # First BatchNorm by hand: mean and (biased) variance of the first convolution's output per shard.
   first = [_conv3x3_same(images[i].astype(np.float64), fused["Conv_0"]["kernel"]) for i in range(p)]
-  np.testing.assert_allclose(got["BatchNorm_0"]["mean"], np.mean([f.mean(axis=(0, 1, 2)) for f in first], axis=0),
-                             rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(got["BatchNorm_0"]["var"], np.mean([f.var(axis=(0, 1, 2)) for f in first], axis=0),
-                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(
+    got["BatchNorm_0"]["mean"], np.mean([f.mean(axis=(0, 1, 2)) for f in first], axis=0), rtol=1e-4, atol=1e-5
+  )
+  np.testing.assert_allclose(
+    got["BatchNorm_0"]["var"], np.mean([f.var(axis=(0, 1, 2)) for f in first], axis=0), rtol=1e-4, atol=1e-5
+  )
   # Every layer: the plain model on one shard at a time (its running statistics with momentum 0).
   plain = s.plain_model.clone(bn_momentum=0.0)
   zeros = jax.tree.map(lambda a: np.zeros_like(a[0]), host.batch_stats)
-  shards = [plain.apply({"params": fused, "batch_stats": zeros}, images[i], train=True, mutable=["batch_stats"])[1]
-            for i in range(p)]
+  shards = [
+    plain.apply({"params": fused, "batch_stats": zeros}, images[i], train=True, mutable=["batch_stats"])[1]
+    for i in range(p)
+  ]
   helpers.assert_close(got, jax.tree.map(lambda *xs: np.mean(xs, axis=0), *[sh["batch_stats"] for sh in shards]))
 
   data = helpers.digits_data()
@@ -134,6 +145,7 @@ def test_processes_with_parts_of_different_lengths_agree_on_the_batches(monkeypa
       has = int(left[0] > 0)
       left[0] -= has
       return np.stack([np.asarray(flags), np.array([has, has or peer_batches > 0], np.int32)])
+
     return gather
 
   mine = [{"x": np.arange(4.0), "mask": np.ones(4, np.float32)}]

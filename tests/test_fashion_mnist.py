@@ -1,6 +1,7 @@
 """Fashion-MNIST from Debian's files (``apt-get install dataset-fashion-mnist``, which ``.ci/run`` does):
 ``python -m ipf_jax.data.prepare``, the TFDS pipeline on the real files, its shifted and OOD sets, and
 train.py on it, resumed mid-epoch."""
+
 import hashlib
 import json
 import os
@@ -29,8 +30,13 @@ def data_dir(fashion_dir):
 
 
 def run_prepare(*args):
-  return subprocess.run([sys.executable, "-m", "ipf_jax.data.prepare", "fashion_mnist", *args], cwd=helpers.ROOT,
-                        capture_output=True, text=True, timeout=300)
+  return subprocess.run(
+    [sys.executable, "-m", "ipf_jax.data.prepare", "fashion_mnist", *args],
+    cwd=helpers.ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 def digests(images):
@@ -39,6 +45,7 @@ def digests(images):
 
 def test_prepared_is_tfds_catalogue_fashion_mnist_holding_the_idx_files(source, data_dir):
   import tensorflow_datasets as tfds
+
   builder = tfds.builder("fashion_mnist", data_dir=data_dir)
   assert type(builder) is tfds.image_classification.FashionMNIST  # the catalogue's own builder reads it
   assert str(builder.info.version) == "3.0.1"
@@ -83,6 +90,7 @@ def test_damaged_file_is_named_and_nothing_is_written(source, tmp_path):
   shutil.copytree(source, damaged)
   path = damaged / "t10k-labels-idx1-ubyte.gz"
   import gzip
+
   with gzip.open(path, "rb") as f:
     data = f.read()
   with gzip.open(path, "wb") as f:
@@ -109,6 +117,7 @@ def test_train_batches_on_the_real_files_are_augmented_deterministic_and_resumab
     np.testing.assert_array_equal(got["image"], first[k]["image"])
   # augmentation (pad-4 random crop, flip): a training image is its stored pixels only by chance (1 in 162)
   import tensorflow_datasets as tfds
+
   stored = tfds.as_numpy(ds.builder.as_dataset(split="train", batch_size=-1))["image"]
   stored = {hashlib.sha1(im.tobytes()).hexdigest() for im in stored}
   mean, std = tfds_input.MEAN_RGB["fashion_mnist"][0], tfds_input.STDDEV_RGB["fashion_mnist"][0]
@@ -121,6 +130,7 @@ def test_shifted_and_ood_sets_against_numpy(data_dir):
   import tensorflow_datasets as tfds
 
   from configs import fashion_mnist
+
   config = fashion_mnist.get_config()
   config.data_dir, config.eval_shifts, config.shift_examples = data_dir, "contrast,translation", 64
   config.ood_dataset = "digits,photos"
@@ -141,6 +151,7 @@ def test_shifted_and_ood_sets_against_numpy(data_dir):
   assert np.abs(moved - (x * 255.0 - mean) / std).mean() > 0.1  # 5.25 pixels: a real shift at 28 x 28
   # blur at severity 5: sigma 0.75 on 8 x 8 digits, scaled to 28 x 28 (x 3.5)
   from scipy import ndimage
+
   blurred = np.clip(ndimage.gaussian_filter(x, sigma=(0, 2.625, 2.625, 0), mode="constant"), 0, 1)
   config.eval_shifts = "blur"
   got = np.concatenate([b["image"] for b in shifts.eval_sets(config, ds)["blur_5"].eval_batches(64)])
@@ -150,21 +161,42 @@ def test_shifted_and_ood_sets_against_numpy(data_dir):
   digit = next(ood["digits"].eval_batches(64))["image"]
   assert digit.shape == (64, 28, 28, 1)
   from sklearn.datasets import load_digits
+
   eight = load_digits().images[0] / 16.0  # the first digit, 8 x 8: each 3.5 x 3.5 block of the 28 x 28
   block = (digit[0, ..., 0] * std + mean) / 255.0
   np.testing.assert_allclose(block[1::7, 1::7][:4, :4], eight[::2, ::2][:4, :4], atol=0.2)
 
 
-FLAGS = ("--config.num_epochs=0", "--config.num_train_steps=12", "--config.num_particles=4",
-         "--config.num_cpu_devices=4", "--config.cnn_features=(8,16,32)", "--config.global_batch_size=64",
-         "--config.checkpoint_every_steps=4", "--config.log_every_steps=1", "--config.eval_batch_size=1000",
-         "--config.eval_shifts=contrast", "--config.shift_examples=100", "--config.ood_dataset=digits,photos",
-         "--config.shuffle_buffer=2048", "--config.warmup_steps=2", "--config.bn_momentum=0.5")
+FLAGS = (
+  "--config.num_epochs=0",
+  "--config.num_train_steps=12",
+  "--config.num_particles=4",
+  "--config.num_cpu_devices=4",
+  "--config.cnn_features=(8,16,32)",
+  "--config.global_batch_size=64",
+  "--config.checkpoint_every_steps=4",
+  "--config.log_every_steps=1",
+  "--config.eval_batch_size=1000",
+  "--config.eval_shifts=contrast",
+  "--config.shift_examples=100",
+  "--config.ood_dataset=digits,photos",
+  "--config.shuffle_buffer=2048",
+  "--config.warmup_steps=2",
+  "--config.bn_momentum=0.5",
+)
 
 
 def fashion_argv(workdir, data_dir):
-  return [sys.executable, "train.py", "--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
-          f"--config.data_dir={data_dir}", *FLAGS]
+  return [
+    sys.executable,
+    "train.py",
+    "--config",
+    "configs/fashion_mnist.py",
+    "--workdir",
+    str(workdir),
+    f"--config.data_dir={data_dir}",
+    *FLAGS,
+  ]
 
 
 def test_train_py_on_the_real_files_then_resume_mid_epoch_equals_uninterrupted(data_dir, tmp_path):
@@ -172,8 +204,14 @@ def test_train_py_on_the_real_files_then_resume_mid_epoch_equals_uninterrupted(d
   sets and both OOD sets; then a run stopped by SIGTERM mid-epoch and resumed ends bit for bit where
   the uninterrupted run ends (the TFDS stream skips the records of the steps already done)."""
   ref = tmp_path / "uninterrupted"
-  r = subprocess.run(fashion_argv(ref, data_dir), cwd=helpers.ROOT, capture_output=True, text=True, timeout=600,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  r = subprocess.run(
+    fashion_argv(ref, data_dir),
+    cwd=helpers.ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert "mesh (particle, data)=(4, 1) on 4 cpu device(s)" in r.stdout
   assert "final evaluation at step 12 on 10000 fashion_mnist test examples" in r.stdout
@@ -191,14 +229,23 @@ def test_train_py_on_the_real_files_then_resume_mid_epoch_equals_uninterrupted(d
   assert rc == 143, out[-3000:]
   stopped = int(next(x for x in out.splitlines() if "stopped at step " in x).split("stopped at step ")[1].split()[0])
   assert 6 <= stopped < 12
-  r2 = subprocess.run(fashion_argv(tmp_path / "resumed", data_dir), cwd=helpers.ROOT, capture_output=True,
-                      text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  r2 = subprocess.run(
+    fashion_argv(tmp_path / "resumed", data_dir),
+    cwd=helpers.ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
   assert f"at step {stopped}" in r2.stdout and "resumed from" in r2.stdout
   import jax
-  jax.tree.map(np.testing.assert_array_equal,
-               helpers.load_checkpoint_numpy(tmp_path / "resumed" / "checkpoints" / "12" / "state"),
-               helpers.load_checkpoint_numpy(ref / "checkpoints" / "12" / "state"))
+
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    helpers.load_checkpoint_numpy(tmp_path / "resumed" / "checkpoints" / "12" / "state"),
+    helpers.load_checkpoint_numpy(ref / "checkpoints" / "12" / "state"),
+  )
   assert helpers.final_table(r2.stdout) == helpers.final_table(r.stdout)
 
 
@@ -208,6 +255,7 @@ def test_each_process_reads_its_part_of_a_shifted_set(data_dir, monkeypatch):
   import jax
 
   from configs import fashion_mnist
+
   config = fashion_mnist.get_config()
   config.data_dir, config.eval_shifts, config.shift_examples = data_dir, "gaussian_noise", 41
   ds = tfds_input.TFDSDataset("fashion_mnist", data_dir, image_size=28, small_images=True)

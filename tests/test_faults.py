@@ -1,4 +1,5 @@
 """Faults during training, through the real trainer: a NaN particle, all NaN, a NaN step in DDP, bad workdirs."""
+
 import os
 
 import jax
@@ -28,8 +29,9 @@ def poison_params(state, particles):
   """NaN into every parameter of the given particles (a NaN only in an early
   layer can vanish: XLA's relu maps NaN to 0 on the CPU)."""
   chosen = jnp.zeros((state.log_weights.shape[0],), bool).at[jnp.asarray(particles)].set(True)
-  return state.replace(params=jax.tree.map(
-      lambda x: jnp.where(chosen.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.nan, x), state.params))
+  return state.replace(
+    params=jax.tree.map(lambda x: jnp.where(chosen.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.nan, x), state.params)
+  )
 
 
 def test_nan_particle_is_culled_replaced_and_training_goes_on(tmp_path, capsys):
@@ -83,6 +85,7 @@ def test_workdir_is_a_file(tmp_path):
 
 def test_bad_workdir_through_train_py(tmp_path):
   from tests.helpers import run_train_py
+
   r = run_train_py(tmp_path / "no" / "such" / "dir")
   assert r.returncode != 0 and "error: --workdir" in r.stderr and "does not exist" in r.stderr
   assert "Traceback" not in r.stderr

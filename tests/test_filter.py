@@ -1,4 +1,5 @@
 """Weights, ESS, systematic resampling and the particle exchange against plain numpy."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,7 +72,7 @@ def _sharded(mesh, x, spec):
 def test_gathered_weights_normalize_and_ess(dp, dd, per_device):
   """Each device's [L] block gathered to the same [P] vector everywhere, then normalised, as in the step."""
   p = dp * per_device
-  mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
+  mesh = mesh_lib.make_mesh(p, jax.devices()[: dp * dd], dp)
   rng = np.random.default_rng(p + dd)
   log_w = rng.normal(size=p).astype(np.float32) * 3
   if p > 2:
@@ -110,7 +111,7 @@ def test_islands_weigh_and_resample_within_themselves(p, islands):
     if trial % 2:
       log_w[rng.choice(p, max(1, p // 4), replace=False)] = -np.inf
     if trial % 4 == 3 and islands > 1:
-      log_w[n:2 * n] = -np.inf  # island 1 has no particle left
+      log_w[n : 2 * n] = -np.inf  # island 1 has no particle left
     norm = np.asarray(normalize(jnp.asarray(log_w), islands))
     expect = reference.island_normalize(log_w, islands)
     np.testing.assert_allclose(norm, expect, rtol=1e-5, atol=1e-5)
@@ -134,8 +135,9 @@ def test_one_island_is_the_plain_filter():
   n = pf.normalize(log_w, 1)
   np.testing.assert_allclose(n, np.asarray(log_w, np.float64) - reference.logsumexp(log_w), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(pf.ess(n, 1), 1 / np.sum(np.exp(np.asarray(n, np.float64)) ** 2), rtol=1e-5)
-  np.testing.assert_array_equal(pf.sources(0.3, n, 1),
-                                reference.survivor_slots(reference.systematic_ancestors(np.exp(n), 0.3)))
+  np.testing.assert_array_equal(
+    pf.sources(0.3, n, 1), reference.survivor_slots(reference.systematic_ancestors(np.exp(n), 0.3))
+  )
 
 
 @pytest.mark.parametrize("p,islands", [(8, 4), (8, 8), (12, 3)])
@@ -149,8 +151,9 @@ def test_adaptive_temperature_with_islands_ignores_an_island_without_particles(p
   alive = np.ones(p, bool)
   alive[:n] = False  # island 0 culled
   tau = pf.adaptive_temperature(previous, loss, jnp.asarray(alive), 4.0, 0.9, 0.5 * p, islands=islands)
-  rest = pf.adaptive_temperature(previous[n:], loss[n:], jnp.ones(p - n, bool), 4.0, 0.9, 0.5 * (p - n),
-                                 islands=islands - 1)
+  rest = pf.adaptive_temperature(
+    previous[n:], loss[n:], jnp.ones(p - n, bool), 4.0, 0.9, 0.5 * (p - n), islands=islands - 1
+  )
   assert float(tau) > 0
   np.testing.assert_allclose(tau, rest, rtol=1e-5)
   log_w = pf.normalize(pf.update_log_weights(previous, loss, jnp.asarray(alive), tau, 0.9), islands)
@@ -183,13 +186,22 @@ def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all", bucket_bytes=Non
 @pytest.mark.parametrize("per_device", [1, 2, 4])
 def test_exchange_moves_exactly_state_at_src(dp, dd, per_device, method):
   p = dp * per_device
-  mesh = mesh_lib.make_mesh(p, jax.devices()[:dp * dd], dp)
+  mesh = mesh_lib.make_mesh(p, jax.devices()[: dp * dd], dp)
   rng = np.random.default_rng(100 * dp + per_device)
-  tree = {"w": rng.normal(size=(p, 3, 2)).astype(np.float32), "count": np.arange(p, dtype=np.int32) * 10,
-          "nested": (rng.normal(size=(p,)).astype(np.float32), rng.normal(size=(p, 5)).astype(jnp.bfloat16))}
+  tree = {
+    "w": rng.normal(size=(p, 3, 2)).astype(np.float32),
+    "count": np.arange(p, dtype=np.int32) * 10,
+    "nested": (rng.normal(size=(p,)).astype(np.float32), rng.normal(size=(p, 5)).astype(jnp.bfloat16)),
+  }
   # What resampling produces (survivors keep their slot): ancestors of every kind, through assign_slots.
-  ancestors = [np.arange(p), np.zeros(p, int), np.full(p, p - 1), np.sort(rng.integers(0, p, size=p)),
-               np.repeat(np.arange(0, p, 2), 2)[:p], np.sort(rng.choice(p, size=p) // 3)]
+  ancestors = [
+    np.arange(p),
+    np.zeros(p, int),
+    np.full(p, p - 1),
+    np.sort(rng.integers(0, p, size=p)),
+    np.repeat(np.arange(0, p, 2), 2)[:p],
+    np.sort(rng.choice(p, size=p) // 3),
+  ]
   sources = [np.asarray(pf.assign_slots(jnp.asarray(a))) for a in ancestors]
   if method == "all_to_all":  # takes any source vector, not only resampling's
     sources += [np.arange(p)[::-1], rng.integers(0, p, size=p), rng.permutation(p)]
@@ -203,8 +215,14 @@ def test_exchange_moves_exactly_state_at_src(dp, dd, per_device, method):
 
 
 def test_buckets_group_one_dtype_in_order_up_to_the_limit():
-  leaves = [np.zeros((2, 4), np.float32), np.zeros((2, 3), np.int32), np.zeros((2, 2), np.float32),
-            np.zeros((2, 10), np.float32), np.zeros((2, 1), np.float32), np.zeros((2, 2), np.int32)]
+  leaves = [
+    np.zeros((2, 4), np.float32),
+    np.zeros((2, 3), np.int32),
+    np.zeros((2, 2), np.float32),
+    np.zeros((2, 10), np.float32),
+    np.zeros((2, 1), np.float32),
+    np.zeros((2, 2), np.int32),
+  ]
   # One particle's bytes: 16, 12, 8, 40, 4, 8.
   assert pf.buckets(leaves, 24) == [[0, 2], [1, 5], [3], [4]]
   assert pf.buckets(leaves, 28) == [[0, 2, 4], [1, 5], [3]]  # leaf 3 alone: the float32 bucket stays open

@@ -1,5 +1,6 @@
 """The package's layers (README "Code map", docs/DESIGN.md §11): a module imports only from its own subpackage
 and from the layers below it, so each layer can be read, and tested, without those above it."""
+
 import ast
 import importlib
 import os
@@ -9,8 +10,14 @@ import ipf_jax
 
 ROOT = os.path.dirname(ipf_jax.__file__)
 # Bottom to top. Subpackages on one rank do not import each other.
-LAYERS = (("errors", "files"), ("population", "evaluation", "data", "models"), ("spmd",), ("config",),
-          ("reporting",), ("runtime",))
+LAYERS = (
+  ("errors", "files"),
+  ("population", "evaluation", "data", "models"),
+  ("spmd",),
+  ("config",),
+  ("reporting",),
+  ("runtime",),
+)
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 
@@ -29,7 +36,7 @@ def imports(path: str, module: str):
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
-        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+        base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
       if base == "ipf_jax":
         yield from (f"ipf_jax.{a.name}" for a in node.names)
       elif base.startswith("ipf_jax"):
@@ -57,8 +64,9 @@ def test_imports_point_down_only():
       if here == "" or there == here:
         continue
       if there == "" or RANK[there] >= RANK[here]:
-        upward.append(f"{name} imports {target} ({here}: rank {RANK[here]}, {there or 'ipf_jax'}: "
-                      f"rank {RANK.get(there, 'top')})")
+        upward.append(
+          f"{name} imports {target} ({here}: rank {RANK[here]}, {there or 'ipf_jax'}: rank {RANK.get(there, 'top')})"
+        )
   assert not upward, "\n".join(upward)
 
 

@@ -1,4 +1,5 @@
 """The library API: any Flax module, any per-example loss, labels of any shape, dropout, regression."""
+
 import functools
 import os
 import signal
@@ -33,12 +34,12 @@ def regression_data(n=96, seed=0):
 def test_regression_ensembles_are_gaussian_mixtures(dp, dd, p):
   """Every row of the eval table against numpy: per particle, the weighted and uniform mixtures of the
   particles' Gaussians (NLL from the mixture density, RMSE of the mixture mean) and the fused model."""
-  config = helpers.tiny_config(num_particles=p, init="independent", eval_batch_size=40, temperature=1.0,
-                               base_lr=0.05)
+  config = helpers.tiny_config(num_particles=p, init="independent", eval_batch_size=40, temperature=1.0, base_lr=0.05)
   task = ipf_jax.gaussian_regression(GaussianHead())
   train, test = regression_data(p * helpers.PER_PARTICLE_BATCH * 3), regression_data(70, seed=1)
   s = helpers.Setup(config, dp, dd, task=task, example={k: v[:1] for k, v in train.items()})
   from ipf_jax.spmd import layout
+
   for k in range(3):
     shard = slice(k * p * helpers.PER_PARTICLE_BATCH, (k + 1) * p * helpers.PER_PARTICLE_BATCH)
     s.state, _ = s.train_step(s.state, layout.put_train_batch({f: v[shard] for f, v in train.items()}, p, s.mesh))
@@ -59,9 +60,10 @@ def test_regression_ensembles_are_gaussian_mixtures(dp, dd, p):
   fused = jax.tree.map(lambda a: np.tensordot(w, a, axes=1).astype(np.float32), host.params)
   fo = apply(fused)
   expected = {
-      "ensemble": row(mix(w), sum(wi * m for wi, m in zip(w, mean))),
-      "ensemble_uniform": row(mix(np.full(p, 1.0 / p)), sum(mean) / p),
-      "fused": row(log_density(fo[:, 0], np.log1p(np.exp(fo[:, 1])) + 1e-3), fo[:, 0])}
+    "ensemble": row(mix(w), sum(wi * m for wi, m in zip(w, mean))),
+    "ensemble_uniform": row(mix(np.full(p, 1.0 / p)), sum(mean) / p),
+    "fused": row(log_density(fo[:, 0], np.log1p(np.exp(fo[:, 1])) + 1e-3), fo[:, 0]),
+  }
   for key, exp in expected.items():
     for metric, value in exp.items():
       np.testing.assert_allclose(results[key][metric], value, rtol=2e-4, err_msg=f"{key} {metric}")
@@ -87,16 +89,26 @@ def multilabel_task():
     correct = ((probs > 0.5) == (batch["tags"] > 0.5)).all(-1).astype(jnp.float32)
     return {"count": mask.sum(), "correct": (correct * mask).sum()}
 
-  return ipf_jax.Task(model=MultiLabel(), loss=loss, predictive=lambda logits, batch: jax.nn.sigmoid(logits),
-                      score=score, finalize=lambda s: {"exact_match": s["correct"] / s["count"]},
-                      columns=(("exact match", "exact_match", "{:.2%}"),), inputs="image", rngs=("dropout",))
+  return ipf_jax.Task(
+    model=MultiLabel(),
+    loss=loss,
+    predictive=lambda logits, batch: jax.nn.sigmoid(logits),
+    score=score,
+    finalize=lambda s: {"exact_match": s["correct"] / s["count"]},
+    columns=(("exact match", "exact_match", "{:.2%}"),),
+    inputs="image",
+    rngs=("dropout",),
+  )
 
 
 def multilabel_data():
   d = helpers.digits_data()
   tags = lambda y: np.stack([y % 2 == 0, y < 5, y % 3 == 0, y == 7], axis=1).astype(np.float32)
-  return ipf_jax.ArrayDataset("digits tags", train={"image": d.train["image"], "tags": tags(d.train["label"])},
-                              test={"image": d.test["image"], "tags": tags(d.test["label"])})
+  return ipf_jax.ArrayDataset(
+    "digits tags",
+    train={"image": d.train["image"], "tags": tags(d.train["label"])},
+    test={"image": d.test["image"], "tags": tags(d.test["label"])},
+  )
 
 
 def library_config(**kw):
@@ -121,8 +133,9 @@ def test_any_module_loss_and_label_shape_with_dropout_resumes_identically(tmp_pa
     return state, batch
 
   with pytest.raises(preemption.RunStopped, match="stopped at step 10 by SIGTERM"):
-    ipf_jax.train_and_evaluate(library_config(), str(tmp_path / "cut"), task=multilabel_task(), data=data,
-                               step_hook=stop_at_9)
+    ipf_jax.train_and_evaluate(
+      library_config(), str(tmp_path / "cut"), task=multilabel_task(), data=data, step_hook=stop_at_9
+    )
   resumed = ipf_jax.train_and_evaluate(library_config(), str(tmp_path / "cut"), task=multilabel_task(), data=data)
   for row in ("ensemble", "fused", "particles"):
     np.testing.assert_array_equal(resumed[row]["exact_match"], full[row]["exact_match"])
@@ -135,9 +148,11 @@ def test_dropout_keys_differ_between_particles_shards_and_steps():
   from jax.sharding import PartitionSpec as P
 
   from ipf_jax.spmd.particles import particle_keys
+
   mesh = jax.make_mesh((4, 2), ("particle", "data"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  keys_at = jax.jit(jax.shard_map(lambda k: particle_keys(k, 2)[None], mesh=mesh, in_specs=P(),
-                                  out_specs=P(("particle", "data"))))
+  keys_at = jax.jit(
+    jax.shard_map(lambda k: particle_keys(k, 2)[None], mesh=mesh, in_specs=P(), out_specs=P(("particle", "data")))
+  )
   rows = set()
   for step in (0, 1):  # the step's key: fold_in(rng, step), as in the train step
     keys = np.asarray(keys_at(jax.random.fold_in(jax.random.PRNGKey(3), step)))
@@ -149,15 +164,23 @@ def test_data_from_your_own_functions(tmp_path):
   """``ipf_jax.Data``: train batches from a function of the start step, eval batches of any size."""
   d = helpers.digits_data()
   source = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
-  data = ipf_jax.Data(train=lambda start: source.train_batches(start, 64, seed=0),
-                      eval=lambda: (dict(image=d.test["image"][i:i + 100], label=d.test["label"][i:i + 100])
-                                    for i in range(0, source.test_size, 100)),
-                      example=source.example, name="digits", test_size=source.test_size)
+  data = ipf_jax.Data(
+    train=lambda start: source.train_batches(start, 64, seed=0),
+    eval=lambda: (
+      dict(image=d.test["image"][i : i + 100], label=d.test["label"][i : i + 100])
+      for i in range(0, source.test_size, 100)
+    ),
+    example=source.example,
+    name="digits",
+    test_size=source.test_size,
+  )
   from ipf_jax.config import builder
+
   task = builder.zoo_task(library_config(), 10)
   results = ipf_jax.train_and_evaluate(library_config(num_train_steps=12), str(tmp_path), task=task, data=data)
-  reference = ipf_jax.evaluate_checkpoint(library_config(num_train_steps=12), str(tmp_path), task=task,
-                                          data=source)  # same checkpoint, eval batches from the arrays
+  reference = ipf_jax.evaluate_checkpoint(
+    library_config(num_train_steps=12), str(tmp_path), task=task, data=source
+  )  # same checkpoint, eval batches from the arrays
   for row in ("ensemble", "fused"):
     assert results[row]["accuracy"] == pytest.approx(reference[row]["accuracy"], abs=1e-9)
 
@@ -165,11 +188,16 @@ def test_data_from_your_own_functions(tmp_path):
 def test_your_data_ending_early_or_without_epochs_is_one_clear_error(tmp_path):
   from ipf_jax.config import validation
   from ipf_jax.data.errors import DataError
+
   d = helpers.digits_data()
   source = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
-  short = ipf_jax.Data(train=lambda start: iter([source.train_batch(k, 64, 0) for k in range(start, 3)]),
-                       num_classes=10, eval=lambda: source.eval_batches(100), example=source.example,
-                       name="three batches")
+  short = ipf_jax.Data(
+    train=lambda start: iter([source.train_batch(k, 64, 0) for k in range(start, 3)]),
+    num_classes=10,
+    eval=lambda: source.eval_batches(100),
+    example=source.example,
+    name="three batches",
+  )
   with pytest.raises(DataError, match="the training data 'three batches' ended at step 3"):
     ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path / "a"), data=short)
   with pytest.raises(validation.ConfigError, match="num_epochs: the data 'three batches' does not know its epoch"):
@@ -180,6 +208,7 @@ def test_your_data_ending_early_or_without_epochs_is_one_clear_error(tmp_path):
 
 def test_resuming_on_other_data_is_refused():
   from ipf_jax.runtime import checkpoint, compatibility
+
   sig, config = {"params/w": ((2,), "float32")}, ipf_jax.default_config()
   with pytest.raises(checkpoint.CheckpointError, match="was trained on 'digits', this run reads 'my data'"):
     compatibility.check_compatible(sig, {}, sig, config, "ckpt", saved_data="digits", data="my data")
@@ -193,19 +222,28 @@ def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
 
   from ipf_jax.runtime import checkpoint, trainer
   from ipf_jax.spmd import optim
+
   d = helpers.digits_data()
   data = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
   ipf_jax.train_and_evaluate(library_config(num_train_steps=3), str(tmp_path), data=data)
   with pytest.raises(checkpoint.CheckpointError) as refused:
-    ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path), data=data,
-                               optimizer=lambda lr: optax.adamw(lr, weight_decay=0.05))
+    ipf_jax.train_and_evaluate(
+      library_config(num_train_steps=6),
+      str(tmp_path),
+      data=data,
+      optimizer=lambda lr: optax.adamw(lr, weight_decay=0.05),
+    )
   message = str(refused.value)
   assert "written by the optimizer sgd(momentum=0.9, nesterov=True" in message, message
   assert "this run's is a custom optimizer (state: ScaleByAdamState" in message, message
   assert "another version" not in message and "Nothing was changed" in message
   with pytest.raises(checkpoint.CheckpointError, match=r"the optimizer sgd.*this run's is adamw \(state"):
-    trainer.check_run(library_config(num_train_steps=6), str(tmp_path), data=data,
-                      optimizer=functools.partial(optax.adamw, weight_decay=0.05))
+    trainer.check_run(
+      library_config(num_train_steps=6),
+      str(tmp_path),
+      data=data,
+      optimizer=functools.partial(optax.adamw, weight_decay=0.05),
+    )
 
   def my_sgd(lr):  # the built-in optimizer under another name: the state fits
     return optim.create_optimizer(library_config(), lr)
@@ -220,12 +258,16 @@ def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
 
 def test_an_old_checkpoint_whose_optimizer_state_differs_says_so():
   from ipf_jax.runtime import checkpoint, compatibility
+
   saved = {"params/w": ((2,), "float32"), "opt_state/0/trace/w": ((2,), "float32")}
   now = {"params/w": ((2,), "float32"), "opt_state/0/mu/w": ((2,), "float32"), "opt_state/0/nu/w": ((2,), "float32")}
   here = {"name": "adamw", "state": "ScaleByAdamState, ScaleByScheduleState", "builtin": False}
-  with pytest.raises(checkpoint.CheckpointError, match=r"predates the record of its optimizer, so the config's SGD "
-                                                       r"\(momentum 0.9\) wrote it, and this run's optimizer is "
-                                                       r"adamw \(state: ScaleByAdamState"):
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match=r"predates the record of its optimizer, so the config's SGD "
+    r"\(momentum 0.9\) wrote it, and this run's optimizer is "
+    r"adamw \(state: ScaleByAdamState",
+  ):
     compatibility.check_compatible(saved, {"momentum": 0.9}, now, ipf_jax.default_config(), "ckpt", optimizer=here)
   builtin = dict(here, name="sgd(...)", builtin=True)  # the same optimizer as then: the cause is elsewhere
   with pytest.raises(checkpoint.CheckpointError, match="probably written by another version of ipf_jax"):

@@ -1,4 +1,5 @@
 """Real multi-process runs on localhost (gloo CPU collectives): 2 processes x 2 devices."""
+
 import json
 import os
 import re
@@ -12,13 +13,19 @@ from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 particles on a (particle, data) = (2, 2) mesh: on two hosts, each particle group spans one host.
-FLAGS = ("--config.num_particles=4", "--config.particle_axis_size=2", "--config.log_every_steps=1",
-         "--config.checkpoint_every_steps=0", "--config.temperature=10.0")
+FLAGS = (
+  "--config.num_particles=4",
+  "--config.particle_axis_size=2",
+  "--config.log_every_steps=1",
+  "--config.checkpoint_every_steps=0",
+  "--config.temperature=10.0",
+)
 
 
 def run_two_hosts(workdir, steps):
-  return helpers.run_processes(helpers.train_py_argv(workdir, *FLAGS, f"--config.num_train_steps={steps}",
-                                                     "--config.num_cpu_devices=2"), 2)
+  return helpers.run_processes(
+    helpers.train_py_argv(workdir, *FLAGS, f"--config.num_train_steps={steps}", "--config.num_cpu_devices=2"), 2
+  )
 
 
 def run_one_host(workdir, steps, devices):
@@ -29,8 +36,9 @@ def run_one_host(workdir, steps, devices):
 
 def step_lines(out):
   """(loss, ess, max_w) of every logged step."""
-  return np.array([[float(x) for x in m] for m in
-                   re.findall(r"step \d+/\d+ .*?loss ([\d.]+)  ess ([\d.]+)/\d+  max_w ([\d.]+)", out)])
+  return np.array(
+    [[float(x) for x in m] for m in re.findall(r"step \d+/\d+ .*?loss ([\d.]+)  ess ([\d.]+)/\d+  max_w ([\d.]+)", out)]
+  )
 
 
 def final_state(workdir, step):
@@ -74,8 +82,11 @@ def test_two_hosts_equal_one_host_and_elastic_restore(runs, tmp_path):
   assert f"resumed from {elastic / 'checkpoints' / str(STEPS)} at step {STEPS} (written on 4 device(s))" in out
   assert "config differs from the checkpoint's in" in out and f"num_train_steps: {STEPS} -> {STEPS + 4}" in out
   run_one_host(reference, STEPS + 4, devices=4)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
-               final_state(elastic, STEPS + 4), final_state(reference, STEPS + 4))
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+    final_state(elastic, STEPS + 4),
+    final_state(reference, STEPS + 4),
+  )
   out = run_one_host(elastic, STEPS + 8, devices=8)
   assert f"resumed from {elastic / 'checkpoints' / str(STEPS + 4)} at step {STEPS + 4} (written on 4 device(s))" in out
   assert "mesh (particle, data)=(2, 4) on 8 cpu device(s), 1 process(es)" in out
@@ -85,6 +96,7 @@ def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterru
   """A preemption notice reaches one host: both save the same step (JAX's preemption sync point) and
   exit 143; the resumed run ends bit for bit where the uninterrupted one does."""
   import signal
+
   _, _, reference, out_reference = runs
   argv = helpers.train_py_argv(tmp_path, *FLAGS, f"--config.num_train_steps={STEPS}", "--config.num_cpu_devices=2")
   procs = helpers.start_processes(argv, 2)
@@ -104,21 +116,33 @@ def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterru
 
 def test_a_peer_that_never_starts_ends_the_run_with_one_line(tmp_path):
   import time
+
   port = helpers.free_port()
   t0 = time.monotonic()
-  r = helpers.run_train_py(tmp_path / "w", "--config.num_cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}",
-                           "--num_processes=2", "--process_id=0", "--startup_timeout=5")
+  r = helpers.run_train_py(
+    tmp_path / "w",
+    "--config.num_cpu_devices=2",
+    f"--coordinator_address=127.0.0.1:{port}",
+    "--num_processes=2",
+    "--process_id=0",
+    "--startup_timeout=5",
+  )
   assert r.returncode == 69 and time.monotonic() - t0 < 60, r.stdout + r.stderr
-  assert r.stderr.strip().splitlines()[-1].startswith(
-      f"error: not every process of the run connected to the coordinator at 127.0.0.1:{port} within 5 s")
+  assert (
+    r.stderr.strip()
+    .splitlines()[-1]
+    .startswith(f"error: not every process of the run connected to the coordinator at 127.0.0.1:{port} within 5 s")
+  )
   assert not (tmp_path / "w").exists()
 
 
 def test_a_dead_peer_ends_the_survivor_within_a_minute(tmp_path):
   import signal
   import time
-  argv = helpers.train_py_argv(tmp_path, *FLAGS, "--config.num_train_steps=2000", "--config.num_cpu_devices=2",
-                               "--peer_timeout=20")
+
+  argv = helpers.train_py_argv(
+    tmp_path, *FLAGS, "--config.num_train_steps=2000", "--config.num_cpu_devices=2", "--peer_timeout=20"
+  )
   procs = helpers.start_processes(argv, 2)
   try:
     assert procs[0].wait_for("step 5/2000") is not None

@@ -1,6 +1,7 @@
 """Flax NNX modules as a library user brings them: ``Task(model=nnx_module)`` trains the same step as the
 same network written in Linen, on several meshes; instances and constructors initialise as documented;
 the library path trains one with dropout and ``load_fused`` gives back an NNX module to call."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -92,13 +93,15 @@ def test_an_instance_gives_every_particle_its_values():
 
 
 def test_a_constructor_gives_each_particle_its_own_init_and_an_instance_is_refused_there():
-  s = helpers.Setup(helpers.tiny_config(num_particles=4, mode="ensemble"), 4, 1,
-                    task=ipf_jax.classification(lambda rngs: NNXNet(rngs)))
+  s = helpers.Setup(
+    helpers.tiny_config(num_particles=4, mode="ensemble"), 4, 1, task=ipf_jax.classification(lambda rngs: NNXNet(rngs))
+  )
   kernel = np.asarray(s.state.params["hidden"]["kernel"])
   assert all(np.abs(kernel[i] - kernel[j]).max() > 1e-3 for i in range(4) for j in range(i))
   with pytest.raises(validation.ConfigError, match=r"config.init: .*nnx.Module instance.*lambda rngs"):
-    helpers.Setup(helpers.tiny_config(num_particles=4, mode="ensemble"), 4, 1,
-                  task=ipf_jax.classification(NNXNet(nnx.Rngs(0))))
+    helpers.Setup(
+      helpers.tiny_config(num_particles=4, mode="ensemble"), 4, 1, task=ipf_jax.classification(NNXNet(nnx.Rngs(0)))
+    )
 
 
 def test_a_module_that_is_not_flax_is_one_clear_error():
@@ -119,8 +122,9 @@ def test_nnx_dropout_model_trains_through_the_library_and_loads_as_nnx(tmp_path)
   variables = task.init(jax.random.PRNGKey(0), {"image": x})
   draws = [task.apply(variables, {"image": x}, train=True, key=jax.random.PRNGKey(k))[0] for k in (1, 2)]
   assert float(jnp.abs(draws[0] - draws[1]).max()) > 0, "dropout masks come from the key"
-  np.testing.assert_array_equal(task.apply(variables, {"image": x}, train=False),
-                                task.apply(variables, {"image": x}, train=False))
+  np.testing.assert_array_equal(
+    task.apply(variables, {"image": x}, train=False), task.apply(variables, {"image": x}, train=False)
+  )
   config = ipf_jax.default_config()
   config.num_particles, config.global_batch_size, config.num_train_steps = 8, 128, 120
   config.base_lr, config.log_every_steps, config.checkpoint_every_steps = 0.5, 60, -1

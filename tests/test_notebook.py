@@ -2,6 +2,7 @@
 installing, the digits run (a short one, with the tests' smaller CNN), the report's pictures inline, the
 fused model's predictions, the CIFAR-10 section skipped by its parameter, and the last cell replaying the
 recorded run after the fact, as after a disconnect (it resumes, and the finished run only evaluates)."""
+
 import os
 
 import nbclient  # test extras (requirements.txt)
@@ -20,10 +21,13 @@ def test_colab_notebook_runs_headless_and_resumes(tmp_path):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
   assert len(params) == 1 and params[0].cell_type == "code"
-  params[0].source += (f"\nCODE_DIR = {helpers.ROOT!r}\nWORKDIR = {str(tmp_path / 'runs')!r}\nDIGITS_STEPS = 6\n"
-                       f"EXTRA_FLAGS = {helpers.TEST_CNN!r}\nINSTALL = False\nTRAIN_CIFAR = False\n")
-  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                   resources={"metadata": {"path": str(tmp_path)}})
+  params[0].source += (
+    f"\nCODE_DIR = {helpers.ROOT!r}\nWORKDIR = {str(tmp_path / 'runs')!r}\nDIGITS_STEPS = 6\n"
+    f"EXTRA_FLAGS = {helpers.TEST_CNN!r}\nINSTALL = False\nTRAIN_CIFAR = False\n"
+  )
+  client = nbclient.NotebookClient(
+    nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+  )
   client.execute(env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=helpers.ROOT))
   code = [c for c in nb.cells if c.cell_type == "code"]
   setup, digits, pictures, fused, cifar, resume = code[1:]

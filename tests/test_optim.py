@@ -1,4 +1,5 @@
 """The learning-rate rules, the schedule and gradient clipping against values computed by hand."""
+
 import math
 
 import jax.numpy as jnp
@@ -9,12 +10,21 @@ from ipf_jax.spmd import optim
 from tests import helpers
 
 
-@pytest.mark.parametrize("rule,expected", [("none", 1.0), ("linear", 2.0), ("sqrt", math.sqrt(2.0)),
-                                           ("seed", math.sqrt(4 * 8))])
+@pytest.mark.parametrize(
+  "rule,expected", [("none", 1.0), ("linear", 2.0), ("sqrt", math.sqrt(2.0)), ("seed", math.sqrt(4 * 8))]
+)
 def test_lr_scaling_rules(rule, expected):
   """G = 512 against reference 256 on 4 devices with P = 8: base_lr 0.1 peaks at 0.1 x scale."""
-  config = helpers.tiny_config(lr_scaling=rule, global_batch_size=512, reference_batch_size=256, num_devices=4,
-                               num_particles=8, base_lr=0.1, warmup_steps=10, num_train_steps=110)
+  config = helpers.tiny_config(
+    lr_scaling=rule,
+    global_batch_size=512,
+    reference_batch_size=256,
+    num_devices=4,
+    num_particles=8,
+    base_lr=0.1,
+    warmup_steps=10,
+    num_train_steps=110,
+  )
   assert optim.lr_scale(rule, 512, 256, devices=4, num_particles=8) == pytest.approx(expected)
   lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
   assert float(lr(10)) == pytest.approx(0.1 * expected, rel=1e-6)
@@ -32,6 +42,7 @@ def test_the_step_reports_the_learning_rate_of_its_update_and_diversity_without_
   """``metrics["lr"]`` of step k (0-based) is the schedule at k, the rate its update used (the last step's
   is above 0, the cosine reaches 0 after it); ``parts.diversity`` is ``parts.fuse``'s distances."""
   import jax
+
   config = helpers.tiny_config(num_particles=4, lr_scaling="none", base_lr=0.4, warmup_steps=2, num_train_steps=5)
   s = helpers.Setup(config, 2, 2)
   hand = lambda k: 0.4 * k / 2 if k < 2 else 0.2 * (1 + math.cos(math.pi * (k - 2) / 3))
@@ -53,8 +64,15 @@ def test_accumulation_does_not_change_the_learning_rate():
   """grad_accum_steps splits each step's batch: the step, its batch G and its learning rate stay."""
   lrs = []
   for k in (1, 4):
-    config = helpers.tiny_config(lr_scaling="linear", global_batch_size=512, reference_batch_size=256,
-                                 base_lr=0.1, warmup_steps=10, num_train_steps=110, grad_accum_steps=k)
+    config = helpers.tiny_config(
+      lr_scaling="linear",
+      global_batch_size=512,
+      reference_batch_size=256,
+      base_lr=0.1,
+      warmup_steps=10,
+      num_train_steps=110,
+      grad_accum_steps=k,
+    )
     lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
     lrs.append([float(lr(s)) for s in (5, 10, 60)])
   np.testing.assert_allclose(lrs[0], lrs[1])

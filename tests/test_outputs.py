@@ -1,4 +1,5 @@
 """What a run leaves in its workdir: TensorBoard events, pictures, --eval_only, the exported fused model."""
+
 import json
 import os
 
@@ -16,14 +17,19 @@ STEPS = 20
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("run")
-  r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}", "--config.log_every_steps=5",
-                           "--config.eval_every_steps=10", "--config.fused_bn_batches=4")
+  r = helpers.run_train_py(
+    workdir,
+    f"--config.num_train_steps={STEPS}",
+    "--config.log_every_steps=5",
+    "--config.eval_every_steps=10",
+    "--config.fused_bn_batches=4",
+  )
   assert r.returncode == 0, r.stdout + r.stderr
   return workdir, r.stdout
 
 
 def table(out):
-  return out[out.index("final evaluation"):].split("\n", 1)[1].strip()
+  return out[out.index("final evaluation") :].split("\n", 1)[1].strip()
 
 
 def test_tensorboard_events_hold_every_step(run):
@@ -57,8 +63,13 @@ def test_report_writes_pictures(run, tmp_path, capsys):
   assert f"note: {tmp_path / 'shifts.png'} is from an earlier report; this run's results have nothing for it" in out
   assert (tmp_path / "shifts.png").read_bytes() == b"an earlier report's", "kept, not deleted"
   paths = report.write_report(str(workdir), str(tmp_path))
-  assert [p.rsplit("/", 1)[1] for p in paths] == ["training_curves.png", "weights.png", "genealogy.png", "eval.png",
-                                                  "calibration.png"]
+  assert [p.rsplit("/", 1)[1] for p in paths] == [
+    "training_curves.png",
+    "weights.png",
+    "genealogy.png",
+    "eval.png",
+    "calibration.png",
+  ]
   for p in paths:
     data = open(p, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -78,13 +89,16 @@ def test_a_rerun_that_evaluates_less_keeps_the_evaluation_it_replaces(run, tmp_p
   """A finished run rerun without ``fused_bn_batches``: it only evaluates, and the earlier ``eval_results.json``
   (which has the BN-re-estimated row) is kept, byte for byte, as ``eval_results.replaced.json``."""
   import shutil
+
   workdir = tmp_path / "copy"
   shutil.copytree(run[0], workdir)
   before = (workdir / "eval_results.json").read_bytes()
   r = helpers.run_train_py(workdir, f"--config.num_train_steps={STEPS}")
   assert r.returncode == 0, r.stdout + r.stderr
-  assert "eval_results.json held the evaluation of step 20 with fused_bn, which this evaluation lacks: it is kept as " \
-         "eval_results.replaced.json" in r.stdout
+  assert (
+    "eval_results.json held the evaluation of step 20 with fused_bn, which this evaluation lacks: it is kept as "
+    "eval_results.replaced.json" in r.stdout
+  )
   assert (workdir / "eval_results.replaced.json").read_bytes() == before
   assert "fused_bn" not in json.load(open(workdir / "eval_results.json"))
 
@@ -93,6 +107,7 @@ def test_keep_narrowed_against_the_files_it_finds(tmp_path):
   """Which replacements keep the old file, and under which names: a narrower evaluation or a file that is not
   one keeps it, a wider evaluation or no file keeps nothing."""
   from ipf_jax.runtime import run_eval
+
   wide = {"step": 20, "ensemble": {}, "shifts": {"contrast_1": {}, "blur_1": {}}, "ood": {}, "ood_dataset": "photos"}
   path = tmp_path / "eval_results.step20.json"
   path.write_text(json.dumps(wide))

@@ -1,5 +1,6 @@
 """quiet.py drops orbax's leftovers after a failure and nothing else: the hook that was there gets the rest,
 sys.stderr is never replaced, and nothing is installed before a failure."""
+
 import asyncio
 import os
 import sys
@@ -9,8 +10,9 @@ from ipf_jax.runtime import quiet
 
 
 def unraisable(exc, obj=None):
-  return types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__, err_msg=None,
-                               object=obj)
+  return types.SimpleNamespace(
+    exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__, err_msg=None, object=obj
+  )
 
 
 def closed_loop_callback_error():
@@ -63,6 +65,7 @@ def test_the_closed_loop_leftover_is_dropped_and_everything_else_passes(monkeypa
 
 def test_only_coroutines_of_orbax_and_tensorstore_files_are_dropped(monkeypatch):
   import orbax.checkpoint
+
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", seen.append)
   quiet.after_orbax_failure()

@@ -15,6 +15,7 @@ In the README's order, from a fresh directory holding the checkout's ``configs/`
   ``python -m ipf_jax.data.prepare``: run, into the test's prepared folder (``tests/test_fashion_mnist.py``)
   instead of the user's ``~/tensorflow_datasets``, which the config's dry run then reads.
 """
+
 import contextlib
 import importlib
 import io
@@ -47,10 +48,10 @@ def readme_commands(text):
       tokens = shlex.split(line, comments=True)
       while tokens:
         cut = tokens.index("&&") if "&&" in tokens else len(tokens)
-        found.append((f"README line {text[:block.start()].count(chr(10)) + 1}", tokens[:cut]))
-        tokens = tokens[cut + 1:]
-  modes = text[text.index("## Modes"):]
-  for row in modes[:modes.index("\n\n", modes.index("|"))].splitlines()[2:]:
+        found.append((f"README line {text[: block.start()].count(chr(10)) + 1}", tokens[:cut]))
+        tokens = tokens[cut + 1 :]
+  modes = text[text.index("## Modes") :]
+  for row in modes[: modes.index("\n\n", modes.index("|"))].splitlines()[2:]:
     for span in re.findall(r"`(--config\.[^`]+)`", row.split("|")[2]):
       found.append((f"Modes table, {row.split('|')[1].strip()}", ["python", "train.py", *shlex.split(span)]))
   for span in re.findall(r"`((?:python|pip) [^`]+)`", text):
@@ -82,17 +83,22 @@ def run_train_command(tokens, real: bool, small: bool):
 def _workdir(tokens):
   if tokens[:2] == ["python", "train.py"]:
     return train_flags(tokens).workdir
-  reads = tokens[:3] == ["python", "-m", "ipf_jax.reporting"] and len(tokens) > 3 or tokens[:2] == ["tensorboard",
-                                                                                                  "--logdir"]
+  reads = (
+    tokens[:3] == ["python", "-m", "ipf_jax.reporting"] and len(tokens) > 3 or tokens[:2] == ["tensorboard", "--logdir"]
+  )
   return tokens[-1] if reads else None
 
 
 def library_commands(text):
   """The lines of the bash blocks of README's "Use it as a library" section, as a user would paste them."""
-  section = text[text.index("## Use it as a library"):]
-  section = section[:section.index("\n## ")]
-  return [line for block in re.findall(r"```bash\n(.*?)```", section, re.S)
-          for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+  section = text[text.index("## Use it as a library") :]
+  section = section[: section.index("\n## ")]
+  return [
+    line
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+    for line in block.replace("\\\n", " ").splitlines()
+    if line.strip()
+  ]
 
 
 def test_library_commands_run_verbatim_in_a_fresh_environment(tmp_path):
@@ -118,15 +124,23 @@ def test_library_programs_run_verbatim(tmp_path):
   """README's two library programs (Linen, then NNX with AdamW), pasted one after the other into a fresh
   Python process (the package importable, as after the install line; nothing forced)."""
   section = open(README).read()
-  section = section[section.index("## Use it as a library"):]
-  programs = re.findall(r"```python\n(.*?)```", section[:section.index("\n## ")], re.S)
+  section = section[section.index("## Use it as a library") :]
+  programs = re.findall(r"```python\n(.*?)```", section[: section.index("\n## ")], re.S)
   assert len(programs) == 2 and "nnx.Module" in programs[1], programs
-  check = ("\nassert probs.shape == (397, 10) and isinstance(module, nnx.Module), probs.shape\n"
-           "print('ok', results['ensemble']['accuracy'])\n")
+  check = (
+    "\nassert probs.shape == (397, 10) and isinstance(module, nnx.Module), probs.shape\n"
+    "print('ok', results['ensemble']['accuracy'])\n"
+  )
   env = dict(os.environ, PYTHONPATH=helpers.ROOT, JAX_PLATFORMS="cpu")
   (tmp_path / "runs").mkdir()  # as in the checkout
-  r = subprocess.run([sys.executable, "-c", programs[0] + programs[1] + check], cwd=tmp_path, env=env,
-                     capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+    [sys.executable, "-c", programs[0] + programs[1] + check],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
   assert r.stdout.count("on 4 cpu device(s)") == 2, r.stdout
   accuracy = float(r.stdout.split("\nok ")[1].split()[0])
@@ -176,6 +190,7 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
           assert result.startswith("dry run") or PLACEHOLDER in " ".join(tokens), (what, result)
       elif tokens[:3] == ["python", "-m", "ipf_jax.reporting"] and len(tokens) > 3:
         from ipf_jax.reporting import report
+
         assert tokens[3] in trained, what
         report.main(tokens[3:])
         assert os.path.isfile(os.path.join(tokens[3], "report", "weights.png")), what
@@ -183,10 +198,12 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
         assert any(f.startswith("events.out.tfevents") for f in os.listdir(tokens[2])), what
       elif tokens[:3] == ["python", "-m", "ipf_jax.data.prepare"]:
         from ipf_jax.data import prepare
+
         assert prepare.main(tokens[3:]) == 0, what
         assert "already prepared" in out.getvalue(), what  # the test's folder: prepared by the fixture
       elif tokens[0] == "apt-get":  # what it installs is there (.ci/run runs it)
         from ipf_jax.data import prepare
+
         if tokens[1] == "install":
           assert [t for t in tokens[2:] if not t.startswith("-")] == ["dataset-fashion-mnist"], what
           assert prepare.read_fashion_mnist(prepare.DEBIAN_SOURCE["fashion_mnist"]), what
@@ -199,6 +216,7 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
         module = importlib.import_module(tokens[-1] if tokens[2] == "pydoc" else tokens[2])
         if tokens[2] == "pydoc":
           import pydoc
+
           assert "train_and_evaluate" in pydoc.render_doc(module), what
         else:
           assert callable(getattr(module, "main", None)), what

@@ -1,4 +1,5 @@
 """The SPMD train step against the plain reference (tests/reference.py) on several meshes."""
+
 import jax
 import numpy as np
 import pytest
@@ -28,11 +29,26 @@ def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=No
     edit(init)
   s.state = jax.device_put(init, jax.tree.map(lambda x: x.sharding, s.state))
   ds = init.dynamic_scale
-  scaling = {} if ds is None else {"loss_scale": float(ds.scale), "growth_interval": ds.growth_interval,
-                                   "minimum_scale": ds.minimum_scale}
-  ref = Reference(s.plain_model, s.tx, s.spec, init.params, init.batch_stats, init.opt_state, init.log_weights,
-                  init.rng, shared=init.shared_params, shared_opt_state=init.shared_opt_state,
-                  shared_pattern=config.shared_params, lr_fn=s.parts.lr_fn, **scaling)
+  scaling = (
+    {}
+    if ds is None
+    else {"loss_scale": float(ds.scale), "growth_interval": ds.growth_interval, "minimum_scale": ds.minimum_scale}
+  )
+  ref = Reference(
+    s.plain_model,
+    s.tx,
+    s.spec,
+    init.params,
+    init.batch_stats,
+    init.opt_state,
+    init.log_weights,
+    init.rng,
+    shared=init.shared_params,
+    shared_opt_state=init.shared_opt_state,
+    shared_pattern=config.shared_params,
+    lr_fn=s.parts.lr_fn,
+    **scaling,
+  )
   spmd_records, ref_records = [], []
   for images, labels in helpers.particle_batches(config.num_particles, num_steps):
     s.state, m = s.train_step(s.state, s.put(images, labels))
@@ -56,8 +72,7 @@ def assert_same_run(s, ref, spmd_records, ref_records, rtol=2e-4, atol=2e-5, out
       np.testing.assert_allclose(m["ess"], r["ess"], rtol=1e-4, err_msg=f"ESS at step {k}")
   final = s.host_state()
   params, batch_stats, opt_state = ref.stacked()
-  close = lambda a, b: helpers.assert_close(a, b, rtol=rtol, atol=atol, outliers=outliers,
-                                            outlier_atol=outlier_atol)
+  close = lambda a, b: helpers.assert_close(a, b, rtol=rtol, atol=atol, outliers=outliers, outlier_atol=outlier_atol)
   close(final.params, params)
   close(final.batch_stats, batch_stats)
   close(final.opt_state, opt_state)
@@ -74,19 +89,20 @@ def assert_same_run(s, ref, spmd_records, ref_records, rtol=2e-4, atol=2e-5, out
 @pytest.mark.parametrize("dp,dd,p", CASES)
 def test_ipf_step_matches_reference(dp, dd, p):
   # High temperature and ess_threshold=0.9: resampling on most steps, with jitter on the copies.
-  config = helpers.tiny_config(num_particles=p, temperature=4.0, forgetting=0.8, correction=0.5,
-                               ess_threshold=0.9, jitter=1e-3)
+  config = helpers.tiny_config(
+    num_particles=p, temperature=4.0, forgetting=0.8, correction=0.5, ess_threshold=0.9, jitter=1e-3
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   if p > 1:
     assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
   assert_same_run(s, ref, spmd, refr)
 
 
-@pytest.mark.parametrize("dp,dd,p,loop", [(4, 2, 8, "vmap"), (2, 4, 4, "map"), (8, 1, 16, "unroll"),
-                                         (4, 2, 16, "map")])
+@pytest.mark.parametrize("dp,dd,p,loop", [(4, 2, 8, "vmap"), (2, 4, 4, "map"), (8, 1, 16, "unroll"), (4, 2, 16, "map")])
 def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
-  config = helpers.tiny_config(num_particles=p, temperature=0.5, correction=1.0, ess_threshold=0.0,
-                               resample_every=2, particle_loop=loop)
+  config = helpers.tiny_config(
+    num_particles=p, temperature=0.5, correction=1.0, ess_threshold=0.0, resample_every=2, particle_loop=loop
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert [r["resampled"] for r in refr] == [False, True, False, True]
   # correction=1 with base_lr 0.5 for 4 steps: float32 reduction-order noise reaches ~2e-5 on small weights.
@@ -98,8 +114,16 @@ def test_islands_match_reference(dp, dd, p, islands):
   """islands=G: weights normalised per island, each island resampled within itself; G = P with a culled
   particle: its island (itself) takes the next island's particle. The copies' noise follows the learning rate
   (``jitter_lr``: a traced sigma)."""
-  config = helpers.tiny_config(num_particles=p, islands=islands, temperature=4.0, forgetting=0.8, correction=0.5,
-                               ess_threshold=0.9, jitter=1e-3, jitter_lr=0.01)
+  config = helpers.tiny_config(
+    num_particles=p,
+    islands=islands,
+    temperature=4.0,
+    forgetting=0.8,
+    correction=0.5,
+    ess_threshold=0.9,
+    jitter=1e-3,
+    jitter_lr=0.01,
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4, poison=1 if islands == p else None)
   n = p // islands
   moved = 0
@@ -121,9 +145,17 @@ def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop)
   """grad_accum_steps=k: each step runs k micro-batches (examples m, m + k, ... of a particle's batch) and
   then one reweighing, correction, update, elastic pull and resampling decision; resample_every counts
   updates. Against the reference's loop over micro-batches, on two meshes."""
-  config = helpers.tiny_config(num_particles=p, grad_accum_steps=k, temperature=2.0, forgetting=0.8,
-                               correction=0.5, elastic_pull=0.2, ess_threshold=0.0, resample_every=2,
-                               particle_loop=loop)
+  config = helpers.tiny_config(
+    num_particles=p,
+    grad_accum_steps=k,
+    temperature=2.0,
+    forgetting=0.8,
+    correction=0.5,
+    elastic_pull=0.2,
+    ess_threshold=0.0,
+    resample_every=2,
+    particle_loop=loop,
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert [r["resampled"] for r in refr] == [False, True, False, True]
   assert_same_run(s, ref, spmd, refr)
@@ -132,8 +164,7 @@ def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop)
 
 @pytest.mark.parametrize("dp,dd,p,alpha", [(4, 2, 8, 0.2), (8, 1, 16, 0.2), (1, 8, 2, 0.2), (2, 4, 4, 1.0)])
 def test_elastic_pull_matches_reference(dp, dd, p, alpha):
-  config = helpers.tiny_config(num_particles=p, temperature=1.0, correction=0.5, elastic_pull=alpha,
-                               ess_threshold=0.3)
+  config = helpers.tiny_config(num_particles=p, temperature=1.0, correction=0.5, elastic_pull=alpha, ess_threshold=0.3)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert_same_run(s, ref, spmd, refr)
   if alpha == 1.0:  # every particle is moved onto the fused parameters (independent inits before)
@@ -144,8 +175,9 @@ def test_elastic_pull_matches_reference(dp, dd, p, alpha):
 @pytest.mark.parametrize("dp,dd,p", [(4, 2, 8), (1, 8, 2)])
 def test_shared_parameters_match_reference(dp, dd, p):
   """The first conv and its BatchNorm shared: stored once, consensus-updated, never resampled."""
-  config = helpers.tiny_config(num_particles=p, temperature=4.0, correction=0.3, ess_threshold=0.9,
-                               shared_params="^(Conv_0|BatchNorm_0)/")
+  config = helpers.tiny_config(
+    num_particles=p, temperature=4.0, correction=0.3, ess_threshold=0.9, shared_params="^(Conv_0|BatchNorm_0)/"
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert sum(r["resampled"] for r in refr) >= 1
   final = s.host_state()
@@ -167,8 +199,9 @@ def test_ensemble_mode_is_independent_particles(dp, dd, p):
 @pytest.mark.parametrize("dp,dd,p,mode", [(4, 2, 8, "ipf"), (8, 1, 8, "ensemble")])
 def test_nan_particle_is_culled_and_others_match_reference(dp, dd, p, mode):
   poisoned = 3
-  config = helpers.tiny_config(num_particles=p, mode=mode, temperature=1.0, correction=0.5,
-                               ess_threshold=0.0, resample_every=100)
+  config = helpers.tiny_config(
+    num_particles=p, mode=mode, temperature=1.0, correction=0.5, ess_threshold=0.0, resample_every=100
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=3, poison=poisoned)
   m = spmd[0]
   assert not m["alive"][poisoned] and m["alive"].sum() == p - 1
@@ -210,8 +243,10 @@ def test_all_particles_nonfinite_skips_the_step():
 def _magnify_head(factor, particle):
   """An edit for ``run_both``: that particle's output layer times ``factor``. Its float16 backward
   pass overflows at large loss scales while its loss stays finite."""
+
   def edit(state):
     state.params["Dense_0"]["kernel"][particle] *= factor
+
   return edit
 
 
@@ -222,7 +257,7 @@ def _magnify_head(factor, particle):
 # the sum: on jax 0.12 at full optimisation, 10 of 2,304 momentum entries of one leaf (max 0.12) differ by
 # up to 0.004. So up to 1% of a leaf's entries may miss the first bound if each stays within 2^-4 (6%) of
 # the leaf's largest magnitude; a wrong particle, step or update moves most of a leaf, not 1% of it.
-FP16_TOL = {"rtol": 1e-2, "atol": 2e-3, "outliers": 0.01, "outlier_atol": 2.0 ** -4}
+FP16_TOL = {"rtol": 1e-2, "atol": 2e-3, "outliers": 0.01, "outlier_atol": 2.0**-4}
 
 
 @pytest.mark.full_optimisation
@@ -231,9 +266,16 @@ def test_float16_loss_scaling_matches_reference(dp, dd, p, loop, k):
   """One particle's gradient overflows: every particle skips, one scale halves, until it fits; then
   the scale grows again after finite steps, and a particle that diverges later is culled and replaced.
   With k = 2 micro-batches an overflow in either halves the scale once."""
-  config = helpers.tiny_config(num_particles=p, dtype="float16", loss_scale_init=2.0 ** 15,
-                               loss_scale_growth_interval=2, temperature=1.0, ess_threshold=0.3, particle_loop=loop,
-                               grad_accum_steps=k)
+  config = helpers.tiny_config(
+    num_particles=p,
+    dtype="float16",
+    loss_scale_init=2.0**15,
+    loss_scale_growth_interval=2,
+    temperature=1.0,
+    ess_threshold=0.3,
+    particle_loop=loop,
+    grad_accum_steps=k,
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=12, edit=_magnify_head(3000.0, 3))
   assert_same_run(s, ref, spmd, refr, **FP16_TOL)
   overflows = [bool(m["overflow"]) for m in spmd]
@@ -263,8 +305,9 @@ def test_float16_overflow_at_minimum_scale_culls_the_particle():
 @pytest.mark.full_optimisation
 def test_float16_single_particle_counts_overflows_not_failures():
   """DDP in float16: overflow steps are skipped and counted apart from non-finite (failed) steps."""
-  config = helpers.tiny_config(num_particles=1, mode="ddp", dtype="float16", loss_scale_init=2.0 ** 24,
-                               loss_scale_growth_interval=2)
+  config = helpers.tiny_config(
+    num_particles=1, mode="ddp", dtype="float16", loss_scale_init=2.0**24, loss_scale_growth_interval=2
+  )
   s, ref, spmd, refr = run_both(config, 1, 4, num_steps=12)
   assert_same_run(s, ref, spmd, refr, **FP16_TOL)
   out = s.host_state()
@@ -276,8 +319,16 @@ def test_float16_single_particle_counts_overflows_not_failures():
 def test_single_particle_is_textbook_data_parallel_sgd(dp, dd):
   """P = 1 equals full-batch SGD with momentum written out by hand."""
   lr, mu, steps, total = 0.3, 0.9, 5, 10
-  config = helpers.tiny_config(num_particles=1, base_lr=lr, lr_scaling="none", warmup_steps=0,
-                               num_train_steps=total, momentum=mu, nesterov=False, weight_decay=0.0)
+  config = helpers.tiny_config(
+    num_particles=1,
+    base_lr=lr,
+    lr_scaling="none",
+    warmup_steps=0,
+    num_train_steps=total,
+    momentum=mu,
+    nesterov=False,
+    weight_decay=0.0,
+  )
   s = helpers.Setup(config, dp, dd)
   init = s.host_state()
   params = jax.tree.map(lambda x: x[0], init.params)
@@ -285,8 +336,7 @@ def test_single_particle_is_textbook_data_parallel_sgd(dp, dd):
   velocity = jax.tree.map(np.zeros_like, params)
 
   def loss_fn(params, stats, x, y):
-    logits, new = s.plain_model.apply({"params": params, "batch_stats": stats}, x, train=True,
-                                      mutable=["batch_stats"])
+    logits, new = s.plain_model.apply({"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
     logp = jax.nn.log_softmax(logits)
     return -jax.numpy.mean(logp[np.arange(len(y)), y]), new["batch_stats"]
 

@@ -1,4 +1,5 @@
 """The TFDS pipeline on tfds.testing.mock_data (no downloads), and train.py on imagenet_r50 shrunk."""
+
 import os
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def test_resume_skips_records_without_decoding_them(monkeypatch):
   """A run resumed at step k of an epoch decodes about as many images before its first batch as a run
   starting at step 0 (not k batches more), and sees the batch an uninterrupted run sees at step k."""
   import tensorflow as tf
+
   decoded = []
   real = tfds_input.decode_image
 
@@ -72,6 +74,7 @@ def test_eval_counts_every_example_once(name):
   with tfds.testing.mock_data(num_examples=23):
     ds = tfds_input.TFDSDataset(name, None, image_size=16, small_images=name != "imagenet2012")
     from ipf_jax.spmd import eval_step
+
     batches = list(eval_step.padded(ds.eval_batches(10), 10))  # what the evaluation feeds the eval step
     assert [len(b["label"]) for b in batches] == [10, 10, 10]
     assert sum(float(b["mask"].sum()) for b in batches) == ds.test_size == 23
@@ -97,18 +100,39 @@ with tfds.testing.mock_data(num_examples=48):
 
 
 def test_train_py_imagenet_r50_shrunk_on_mock_data(tmp_path):
-  flags = ["--config", "configs/imagenet_r50.py", "--workdir", str(tmp_path), "--config.model=resnet_tiny",
-           "--config.image_size=16", "--config.num_particles=4", "--config.global_batch_size=16",
-           "--config.num_epochs=0", "--config.num_train_steps=4", "--config.warmup_epochs=0",
-           "--config.warmup_steps=1", "--config.eval_batch_size=8", "--config.num_cpu_devices=4",
-           "--config.log_every_steps=1", "--config.eval_every_steps=0",
-           "--config.shuffle_buffer=16", "--config.remat=True", "--config.label_smoothing=0.1",
-           # orbax's commit of a checkpoint fails at random under mock_data's patching of file
-           # access; checkpoints are tested on digits (tests/test_checkpoint.py)
-           "--config.checkpoint_every_steps=-1"]
-  r = subprocess.run([sys.executable, "-c", MOCK_TRAIN, *flags], cwd=ROOT, capture_output=True, text=True,
-                     timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  fatal = r.stderr[r.stderr.find("Fatal Python error"):][:4000] if "Fatal Python error" in r.stderr else ""
+  flags = [
+    "--config",
+    "configs/imagenet_r50.py",
+    "--workdir",
+    str(tmp_path),
+    "--config.model=resnet_tiny",
+    "--config.image_size=16",
+    "--config.num_particles=4",
+    "--config.global_batch_size=16",
+    "--config.num_epochs=0",
+    "--config.num_train_steps=4",
+    "--config.warmup_epochs=0",
+    "--config.warmup_steps=1",
+    "--config.eval_batch_size=8",
+    "--config.num_cpu_devices=4",
+    "--config.log_every_steps=1",
+    "--config.eval_every_steps=0",
+    "--config.shuffle_buffer=16",
+    "--config.remat=True",
+    "--config.label_smoothing=0.1",
+    # orbax's commit of a checkpoint fails at random under mock_data's patching of file
+    # access; checkpoints are tested on digits (tests/test_checkpoint.py)
+    "--config.checkpoint_every_steps=-1",
+  ]
+  r = subprocess.run(
+    [sys.executable, "-c", MOCK_TRAIN, *flags],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  fatal = r.stderr[r.stderr.find("Fatal Python error") :][:4000] if "Fatal Python error" in r.stderr else ""
   assert r.returncode == 0, r.stdout[-3000:] + (fatal or r.stderr[-3000:])  # an abort: its thread stacks
   assert "mesh (particle, data)=(4, 1) on 4 cpu device(s)" in r.stdout
   assert "step 4/4" in r.stdout
@@ -120,13 +144,27 @@ def test_two_hosts_each_read_their_own_part_on_mock_data(tmp_path):
   """2 processes x 2 devices: each host reads its half of the training split and places only its
   devices' shards (``make_array_from_process_local_data``); process 0 reports on the whole eval split.
   The small CNN, not the ResNet (the run above): what is tested is the input's layout, not the model."""
-  flags = ["--config", "configs/imagenet_r50.py", "--workdir", str(tmp_path), "--config.model=cnn",
-           "--config.cnn_features=(4,8)",
-           "--config.image_size=16", "--config.num_particles=4", "--config.particle_axis_size=2",
-           "--config.global_batch_size=16", "--config.num_epochs=0", "--config.num_train_steps=3",
-           "--config.warmup_epochs=0", "--config.warmup_steps=1", "--config.eval_batch_size=8",
-           "--config.num_cpu_devices=2", "--config.log_every_steps=1", "--config.shuffle_buffer=16",
-           "--config.checkpoint_every_steps=-1"]  # see above: orbax under mock_data
+  flags = [
+    "--config",
+    "configs/imagenet_r50.py",
+    "--workdir",
+    str(tmp_path),
+    "--config.model=cnn",
+    "--config.cnn_features=(4,8)",
+    "--config.image_size=16",
+    "--config.num_particles=4",
+    "--config.particle_axis_size=2",
+    "--config.global_batch_size=16",
+    "--config.num_epochs=0",
+    "--config.num_train_steps=3",
+    "--config.warmup_epochs=0",
+    "--config.warmup_steps=1",
+    "--config.eval_batch_size=8",
+    "--config.num_cpu_devices=2",
+    "--config.log_every_steps=1",
+    "--config.shuffle_buffer=16",
+    "--config.checkpoint_every_steps=-1",
+  ]  # see above: orbax under mock_data
   outs = helpers.run_processes([sys.executable, "-c", MOCK_TRAIN, *flags], 2)
   assert "mesh (particle, data)=(2, 2) on 4 cpu device(s), 2 process(es)" in outs[0]
   assert "step 3/3" in outs[0] and "final evaluation at step 3 on 48 imagenet2012 test examples" in outs[0]
@@ -138,6 +176,7 @@ def test_per_host_split_gives_each_process_its_half(monkeypatch):
   gets G / 2 examples per step. (mock_data ignores split slicing, so the parts' contents cannot
   be told apart here; the 2-process run above checks the layout end to end.)"""
   import jax
+
   for pid in (0, 1):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda pid=pid: pid)
@@ -157,9 +196,22 @@ def test_per_host_split_gives_each_process_its_half(monkeypatch):
 
 
 def test_train_py_missing_imagenet_is_one_clear_error(tmp_path):
-  r = subprocess.run([sys.executable, "train.py", "--config", "configs/imagenet_r50.py", "--workdir",
-                      str(tmp_path / "w"), f"--config.data_dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  r = subprocess.run(
+    [
+      sys.executable,
+      "train.py",
+      "--config",
+      "configs/imagenet_r50.py",
+      "--workdir",
+      str(tmp_path / "w"),
+      f"--config.data_dir={tmp_path}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode != 0
   assert "error: config.dataset: TFDS dataset 'imagenet2012' is not prepared" in r.stderr
   assert "Traceback" not in r.stderr

@@ -1,4 +1,5 @@
 """train.py end to end on real digits, as a user runs it."""
+
 import json
 import os
 
@@ -6,9 +7,16 @@ from tests.helpers import run_train_py as run_train
 
 
 def test_train_py_digits_smoke(tmp_path):
-  r = run_train(tmp_path, "--config.num_train_steps=20", "--config.log_every_steps=10",
-                "--config.eval_shifts=contrast", "--config.shift_examples=100", "--config.ood_dataset=photos",
-                "--config.calibration_fraction=0.1", full_model=True)
+  r = run_train(
+    tmp_path,
+    "--config.num_train_steps=20",
+    "--config.log_every_steps=10",
+    "--config.eval_shifts=contrast",
+    "--config.shift_examples=100",
+    "--config.ood_dataset=photos",
+    "--config.calibration_fraction=0.1",
+    full_model=True,
+  )
   assert r.returncode == 0, r.stdout + r.stderr
   out = r.stdout
   assert "mesh (particle, data)=(8, 1) on 8 cpu device(s)" in out
@@ -31,10 +39,16 @@ def test_train_py_digits_smoke(tmp_path):
   scaled = results["shifts"]["contrast_5"]["temperature_scaled"]["ensemble"]  # at the calibration set's temperature
   assert scaled["temperature"] == results["temperature_scaled"]["ensemble"]["temperature"] and scaled["ece"] >= 0
   assert len(results["ood"]["particles"]["auroc_max_prob"]) == 8
-  for line in ("diversity of the population: disagreement", "temperature scaling, fused model: T =",
-               "contrast  ", "ensemble ECE at T", "OOD AUROC (photos), ensemble (weighted): max prob"):
+  for line in (
+    "diversity of the population: disagreement",
+    "temperature scaling, fused model: T =",
+    "contrast  ",
+    "ensemble ECE at T",
+    "OOD AUROC (photos), ensemble (weighted): max prob",
+  ):
     assert line in out, line
   from ipf_jax.reporting import report
+
   pictures = [os.path.basename(p) for p in report.write_report(str(tmp_path), str(tmp_path / "report"))]
   assert pictures[-2:] == ["calibration.png", "shifts.png"]
 
@@ -51,16 +65,22 @@ def test_train_py_ddp_mode_trains_one_model(tmp_path):
 def test_train_py_float16_with_loss_scaling(tmp_path):
   """float16 from a scale that overflows at first: the run backs off, skips those steps without
   calling them failures, and still learns; the scale is in the progress line and TensorBoard."""
-  r = run_train(tmp_path, "--config.dtype=float16", "--config.loss_scale_init=1073741824.0",
-                "--config.num_train_steps=60", "--config.log_every_steps=30")  # the test CNN: 81% measured
+  r = run_train(
+    tmp_path,
+    "--config.dtype=float16",
+    "--config.loss_scale_init=1073741824.0",
+    "--config.num_train_steps=60",
+    "--config.log_every_steps=30",
+  )  # the test CNN: 81% measured
   assert r.returncode == 0, r.stdout + r.stderr
   line = next(x for x in r.stdout.splitlines() if "step 60/60" in x)
   overflows = int(line.split("overflows ")[1].split(")")[0])
   scale = float(line.split("loss scale ")[1].split()[0])
-  assert 1 <= overflows < 40 and scale < 2.0 ** 40 and "skipped" not in line
+  assert 1 <= overflows < 40 and scale < 2.0**40 and "skipped" not in line
   results = json.load(open(tmp_path / "eval_results.json"))
   assert results["ensemble"]["accuracy"] > 0.7, results["ensemble"]
   from ipf_jax.reporting import report
+
   scalars = report.read_scalars(str(tmp_path))
   steps, overflow = scalars["train/overflow"]
   assert len(steps) == 60 and overflow.sum() == overflows and len(scalars["train/loss_scale"][0]) == 60
@@ -79,6 +99,7 @@ def test_default_workdir_parent_ships_with_the_repo():
   """`python train.py` (default --workdir runs/digits) works in a fresh clone: runs/ is tracked."""
   import os
   import subprocess
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   tracked = subprocess.run(["git", "ls-files", "runs"], cwd=root, capture_output=True, text=True).stdout.split()
   assert "runs/.gitkeep" in tracked
@@ -93,6 +114,7 @@ def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path):
   from ipf_jax.runtime import checkpoint, trainer
   from ipf_jax.runtime import workdir as workdir_lib
   from tests import helpers
+
   config = digits.get_config()
   config.cnn_features = helpers.TEST_FEATURES
   plan = trainer.check_run(config, str(tmp_path / "new"))

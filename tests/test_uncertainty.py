@@ -1,5 +1,6 @@
 """The evaluation suite against numpy / scikit-learn: Brier, reliability bins, temperature scaling,
 selective prediction, OOD AUROC, diversity; the digits shifts and OOD set; TFDS shift sets on mock data."""
+
 import itertools
 
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ def test_classification_sums_match_numpy():
   rng = np.random.default_rng(0)
   probs, labels = random_probs(rng, 300, 5), rng.integers(0, 5, 300)
   mask = (rng.random(300) < 0.9).astype(np.float32)
-  out = metrics.finalize(metrics.classification_sums(jnp.asarray(probs, jnp.float32), jnp.asarray(labels),
-                                                     jnp.asarray(mask)))
+  out = metrics.finalize(
+    metrics.classification_sums(jnp.asarray(probs, jnp.float32), jnp.asarray(labels), jnp.asarray(mask))
+  )
   keep = mask > 0
   p, y = probs[keep], labels[keep]
   onehot = np.eye(5)[y]
@@ -37,8 +39,9 @@ def test_classification_sums_match_numpy():
     sel = which == b
     assert out["reliability"][b, 0] == sel.sum()
     if sel.any():
-      np.testing.assert_allclose(out["reliability"][b, 1:], [conf[sel].mean(), (p[sel].argmax(-1) == y[sel]).mean()],
-                                 rtol=1e-5)
+      np.testing.assert_allclose(
+        out["reliability"][b, 1:], [conf[sel].mean(), (p[sel].argmax(-1) == y[sel]).mean()], rtol=1e-5
+      )
   # tempered: T = 1 is the prediction itself; T = 2 is softmax(log p / 2)
   one = int(np.argmin(np.abs(metrics.TEMPERATURES - 1.0)))
   assert metrics.TEMPERATURES[one] == 1.0
@@ -68,8 +71,7 @@ def test_selective_accuracy_matches_sorting():
   u = rng.permutation(u)
   probs = probs_with_certainty(u)
   labels = np.where(rng.random(n) < 0.7, 0, 1)  # class 0 is predicted: correct 70% of the time
-  out = metrics.finalize(metrics.classification_sums(jnp.asarray(probs, jnp.float32), jnp.asarray(labels),
-                                                     jnp.ones(n)))
+  out = metrics.finalize(metrics.classification_sums(jnp.asarray(probs, jnp.float32), jnp.asarray(labels), jnp.ones(n)))
   correct = (labels == 0)[np.argsort(-u)]
   expected = np.cumsum(correct) / np.arange(1, n + 1)  # coverage k / 100
   np.testing.assert_allclose(out["selective_accuracy"], expected, rtol=1e-5)
@@ -78,6 +80,7 @@ def test_selective_accuracy_matches_sorting():
 
 def test_auroc_matches_sklearn_and_counts_ties_half():
   from sklearn.metrics import roc_auc_score
+
   rng = np.random.default_rng(2)
   k = metrics.NUM_CERTAINTY_BINS
   in_bins, out_bins = rng.integers(0, 4, k).astype(float), rng.integers(0, 4, k).astype(float)
@@ -85,8 +88,11 @@ def test_auroc_matches_sklearn_and_counts_ties_half():
   is_in = np.concatenate([np.ones(int(in_bins.sum())), np.zeros(int(out_bins.sum()))])
   np.testing.assert_allclose(metrics.auroc(in_bins, out_bins), roc_auc_score(is_in, scores), rtol=1e-10)
   # through the sums: in-distribution examples more certain than every OOD one -> 1; swapped -> 0
-  sums = lambda u: metrics.finalize(metrics.classification_sums(jnp.asarray(probs_with_certainty(u), jnp.float32),
-                                                                jnp.zeros(len(u), jnp.int32), jnp.ones(len(u))))
+  sums = lambda u: metrics.finalize(
+    metrics.classification_sums(
+      jnp.asarray(probs_with_certainty(u), jnp.float32), jnp.zeros(len(u), jnp.int32), jnp.ones(len(u))
+    )
+  )
   hi, lo = sums(np.linspace(0.6, 0.9, 20)), sums(np.linspace(0.1, 0.4, 30))
   for score in (0, 1):  # max probability, entropy
     assert metrics.auroc(hi["certainty_counts"][score], lo["certainty_counts"][score]) == 1.0
@@ -100,16 +106,18 @@ def test_diversity_matches_pairwise_loops():
   alive = np.array([1, 1, 0, 1, 1], np.float32)
   probs_nan = probs.copy()
   probs_nan[2] = np.nan  # a culled particle reaches no metric
-  out = metrics.finalize_diversity(metrics.diversity_sums(jnp.asarray(probs_nan, jnp.float32), jnp.asarray(alive),
-                                                          jnp.ones(n), lambda x: x))
+  out = metrics.finalize_diversity(
+    metrics.diversity_sums(jnp.asarray(probs_nan, jnp.float32), jnp.asarray(alive), jnp.ones(n), lambda x: x)
+  )
   live = [i for i in range(p) if alive[i]]
   pairs = [(i, j) for i, j in itertools.permutations(live, 2)]
   disagree = np.mean([np.mean(probs[i].argmax(-1) != probs[j].argmax(-1)) for i, j in pairs])
   kl = np.mean([np.mean(np.sum(probs[i] * (np.log(probs[i]) - np.log(probs[j])), -1)) for i, j in pairs])
   np.testing.assert_allclose(out["disagreement"], disagree, rtol=1e-5)
   np.testing.assert_allclose(out["pairwise_kl"], kl, rtol=1e-4)
-  one = metrics.finalize_diversity(metrics.diversity_sums(jnp.asarray(probs[:1], jnp.float32), jnp.ones(1),
-                                                          jnp.ones(n), lambda x: x))
+  one = metrics.finalize_diversity(
+    metrics.diversity_sums(jnp.asarray(probs[:1], jnp.float32), jnp.ones(1), jnp.ones(n), lambda x: x)
+  )
   assert one == {"disagreement": 0.0, "pairwise_kl": 0.0}
 
 
@@ -117,9 +125,15 @@ def test_temperature_scaled_picks_the_calibration_minimum():
   t = metrics.TEMPERATURES
   curve = lambda best: (np.log(t) - np.log(best)) ** 2 + 0.3
   calibration = {"ensemble": {"nll_by_temperature": curve(2.0)}, "fused": {"nll_by_temperature": curve(0.5)}}
-  test = {k: {"nll": 1.0, "ece": 0.1, "brier": 0.2, **{f"{m}_by_temperature": np.arange(len(t)) * 1.0 + i
-                                                      for i, m in enumerate(("nll", "ece", "brier"))}}
-          for k in ("ensemble", "fused")}
+  test = {
+    k: {
+      "nll": 1.0,
+      "ece": 0.1,
+      "brier": 0.2,
+      **{f"{m}_by_temperature": np.arange(len(t)) * 1.0 + i for i, m in enumerate(("nll", "ece", "brier"))},
+    }
+    for k in ("ensemble", "fused")
+  }
   out = results_lib.temperature_scaled(calibration, test)
   i2, i05 = int(np.argmin(np.abs(t - 2.0))), int(np.argmin(np.abs(t - 0.5)))
   assert out["ensemble"] == {"temperature": 2.0, "nll": i2, "ece": i2 + 1, "brier": i2 + 2, "at_grid_edge": False}
@@ -153,13 +167,15 @@ def test_shift_and_ood_config_errors_name_the_field():
     shifts.ood_set(config, helpers.digits_data())
   config = helpers.tiny_config(eval_shifts="all")
   assert sorted(shifts.eval_sets(config, helpers.digits_data())) == sorted(
-      f"{c}_{s}" for c in shifts.DIGITS_CORRUPTIONS for s in shifts.SEVERITIES)
+    f"{c}_{s}" for c in shifts.DIGITS_CORRUPTIONS for s in shifts.SEVERITIES
+  )
 
 
 def test_tfds_shift_and_ood_sets_on_mock_data(tmp_path):
   import tensorflow_datasets as tfds
 
   from ipf_jax.data import tfds_input
+
   config = helpers.tiny_config(dataset="cifar10", eval_shifts="contrast,cifar10_1", ood_dataset="svhn_cropped")
   with tfds.testing.mock_data(num_examples=12):
     data = tfds_input.TFDSDataset("cifar10", None, 32, small_images=True)
@@ -183,14 +199,22 @@ def test_imagenet_shift_sets_on_mock_data():
   import tensorflow_datasets as tfds
 
   from ipf_jax.data import tfds_input
+
   config = helpers.tiny_config(dataset="imagenet2012", eval_shifts="gaussian_noise,imagenet_v2,imagenet_a,imagenet_r")
   with tfds.testing.mock_data(num_examples=6):
     data = tfds_input.TFDSDataset("imagenet2012", None, 16)
     sets = shifts.eval_sets(config, data)
-    assert sorted(sets) == [f"gaussian_noise_{s}" for s in shifts.SEVERITIES] + ["imagenet_a", "imagenet_r",
-                                                                                  "imagenet_v2"]
-    expected = {**{f"gaussian_noise_{s}": (f"imagenet2012_corrupted/gaussian_noise_{s}", "validation")
-                   for s in shifts.SEVERITIES}, **{n: (n, "test") for n in ("imagenet_v2", "imagenet_a", "imagenet_r")}}
+    assert sorted(sets) == [f"gaussian_noise_{s}" for s in shifts.SEVERITIES] + [
+      "imagenet_a",
+      "imagenet_r",
+      "imagenet_v2",
+    ]
+    expected = {
+      **{
+        f"gaussian_noise_{s}": (f"imagenet2012_corrupted/gaussian_noise_{s}", "validation") for s in shifts.SEVERITIES
+      },
+      **{n: (n, "test") for n in ("imagenet_v2", "imagenet_a", "imagenet_r")},
+    }
     assert {n: (source.name, source.split) for n, source in sets.items()} == expected
     for name in ("gaussian_noise_5", "imagenet_v2", "imagenet_a", "imagenet_r"):
       batches = list(sets[name].eval_batches(4))
@@ -208,8 +232,11 @@ def test_temperature_fitted_on_overconfident_predictions_undoes_it():
   p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
   labels = np.array([rng.choice(6, p=row) for row in p])
   sharp = np.exp(2 * z) / np.exp(2 * z).sum(-1, keepdims=True)
-  results = {"ensemble": metrics.finalize(metrics.classification_sums(jnp.asarray(sharp, jnp.float32),
-                                                                      jnp.asarray(labels), jnp.ones(len(labels))))}
+  results = {
+    "ensemble": metrics.finalize(
+      metrics.classification_sums(jnp.asarray(sharp, jnp.float32), jnp.asarray(labels), jnp.ones(len(labels)))
+    )
+  }
   fitted = results_lib.temperature_scaled(results, results)["ensemble"]
   assert 2 / 1.2 < fitted["temperature"] < 2 * 1.2 and not fitted["at_grid_edge"]
   assert fitted["nll"] < results["ensemble"]["nll"] and fitted["ece"] < results["ensemble"]["ece"]
@@ -231,8 +258,12 @@ def test_a_shifted_set_at_the_temperature_fitted_on_the_calibration_set():
   def results(z, scales):  # labels drawn from softmax(z); row k predicts softmax(scales[k] z)
     labels = np.array([rng.choice(5, p=row) for row in softmax(z)])
     probs = {k: softmax(scale * z) for k, scale in scales.items()}
-    out = {k: metrics.finalize(metrics.classification_sums(jnp.asarray(p, jnp.float32), jnp.asarray(labels),
-                                                           jnp.ones(len(labels)))) for k, p in probs.items()}
+    out = {
+      k: metrics.finalize(
+        metrics.classification_sums(jnp.asarray(p, jnp.float32), jnp.asarray(labels), jnp.ones(len(labels)))
+      )
+      for k, p in probs.items()
+    }
     return {**out, "weights": np.ones(2) / 2}, probs, labels
 
   calibration, _, _ = results(rng.normal(size=(3000, 5)), {"ensemble": 2.0, "fused": 0.5})  # T near 2 and 0.5
@@ -254,8 +285,10 @@ def test_a_shifted_set_at_the_temperature_fitted_on_the_calibration_set():
     assert out["temperature_scaled"]["ensemble"]["ece"] < out["ensemble"]["ece"]
     assert "ece_by_temperature" not in out["ensemble"] and "temperature_scaled" not in results_lib.brief(shifted)
     footer.setdefault("sets", {})[f"contrast_{severity}"] = out
-  text = tables.format_extras({"weights": np.ones(2) / 2, "shifts": footer["sets"]},
-                                  (("accuracy", "accuracy", "{:.4f}"), ("ECE", "ece", "{:.4f}")))
+  text = tables.format_extras(
+    {"weights": np.ones(2) / 2, "shifts": footer["sets"]},
+    (("accuracy", "accuracy", "{:.4f}"), ("ECE", "ece", "{:.4f}")),
+  )
   assert "ensemble accuracy  ensemble ECE  ensemble ECE at T  fused accuracy  fused ECE  fused ECE at T" in text
   cells = text.splitlines()[-1].split()
   assert cells[0] == "contrast" and cells[3] == f"{np.mean(footer['ensemble']):.4f}"
@@ -286,9 +319,12 @@ def test_labels_outside_the_classes_are_never_correct():
 def test_extras_for_regression_and_sets_without_severities():
   """The footer and the shift picture take the metrics a task has; cifar10_1 is a set, not a severity."""
   reg = {"nll": 1.2, "rmse": 0.5}
-  results = {"weights": np.ones(4) / 4, "ensemble": reg, "fused": reg,
-             "shifts": {"gaussian_noise_1": {"ensemble": reg, "fused": reg}, "cifar10_1": {"ensemble": reg,
-                                                                                            "fused": reg}}}
+  results = {
+    "weights": np.ones(4) / 4,
+    "ensemble": reg,
+    "fused": reg,
+    "shifts": {"gaussian_noise_1": {"ensemble": reg, "fused": reg}, "cifar10_1": {"ensemble": reg, "fused": reg}},
+  }
   columns = (("NLL", "nll", "{:.4f}"), ("RMSE", "rmse", "{:.4f}"))
   text = tables.format_extras(results, columns)
   assert "ensemble NLL  ensemble RMSE  fused NLL  fused RMSE" in text
@@ -299,6 +335,7 @@ def test_extras_for_regression_and_sets_without_severities():
 def test_calibration_is_held_out_before_label_noise_and_names_the_data(tmp_path):
   from ipf_jax.data import create_dataset
   from ipf_jax.runtime import trainer
+
   config = helpers.tiny_config(calibration_fraction=0.1, label_noise=0.5)
   noisy = create_dataset(config)
   clean = helpers.digits_data().holdout(0.1)
@@ -306,15 +343,21 @@ def test_calibration_is_held_out_before_label_noise_and_names_the_data(tmp_path)
   assert noisy.train_size == clean.train_size == 1212 and (noisy.train["label"] != clean.train["label"]).mean() > 0.4
   assert noisy.name == "digits (0.1 held out)" != helpers.digits_data().name  # a checkpoint of other data: refused
   from ipf_jax.runtime import compatibility  # ... naming the field to put back
-  with pytest.raises(compatibility.CheckpointError, match=r"this run reads 'digits' \(config.calibration_fraction is "
-                     r"0.1 there and 0.0 here\)\. Run with the checkpoint's values"):
+
+  with pytest.raises(
+    compatibility.CheckpointError,
+    match=r"this run reads 'digits' \(config.calibration_fraction is "
+    r"0.1 there and 0.0 here\)\. Run with the checkpoint's values",
+  ):
     plain = helpers.tiny_config()
-    compatibility.check_compatible({}, plain.to_dict() | {"calibration_fraction": 0.1}, {}, plain, "w",
-                                   saved_data=noisy.name, data="digits")
+    compatibility.check_compatible(
+      {}, plain.to_dict() | {"calibration_fraction": 0.1}, {}, plain, "w", saved_data=noisy.name, data="digits"
+    )
   older = {k: v for k, v in plain.to_dict().items() if k != "calibration_fraction"}  # a config without the field
   with pytest.raises(compatibility.CheckpointError, match=r"\(config.calibration_fraction is absent there and 0.1 "):
-    compatibility.check_compatible({}, older, {}, helpers.tiny_config(calibration_fraction=0.1), "w",
-                                   saved_data="digits", data=noisy.name)
+    compatibility.check_compatible(
+      {}, older, {}, helpers.tiny_config(calibration_fraction=0.1), "w", saved_data="digits", data=noisy.name
+    )
   config = helpers.tiny_config(eval_shifts="blur")
   with pytest.raises(ConfigError, match="config.eval_shifts: the shifted and OOD sets are those of config.dataset"):
     trainer._Run(config, str(tmp_path / "w"), for_training=False, data=helpers.digits_data())

@@ -7,6 +7,7 @@
 ``zoo_task(config, num_classes)`` is the classification task of the model zoo
 (``config.model``, label smoothing, BatchNorm synchronised over ``"data"``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,7 @@ from ipf_jax.spmd.task import Task, classification
 @dataclasses.dataclass
 class Parts:
   """Everything a run of ``config`` on ``task`` needs, built once (nothing is compiled yet)."""
+
   config: ml_collections.ConfigDict
   task: Task
   mesh: jax.sharding.Mesh
@@ -48,13 +50,22 @@ class Parts:
 def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
   """Classification with the zoo model ``config.model`` (SyncBN over ``"data"``) and ``label_smoothing``."""
   from ipf_jax.models import create_model
-  return classification(create_model(config, num_classes, bn_axis_name=mesh_lib.DATA),
-                        label_smoothing=config.label_smoothing)
+
+  return classification(
+    create_model(config, num_classes, bn_axis_name=mesh_lib.DATA), label_smoothing=config.label_smoothing
+  )
 
 
-def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1,
-          devices: Optional[Sequence[jax.Device]] = None, spec: Optional[ParticleSpec] = None,
-          optimizer: Optional[optim.Optimizer] = None, exchange: Optional[pf.Exchange] = None) -> Parts:
+def build(
+  config: ml_collections.ConfigDict,
+  task: Task,
+  example: dict,
+  steps_per_epoch: int = 1,
+  devices: Optional[Sequence[jax.Device]] = None,
+  spec: Optional[ParticleSpec] = None,
+  optimizer: Optional[optim.Optimizer] = None,
+  exchange: Optional[pf.Exchange] = None,
+) -> Parts:
   """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
 
   Args:
@@ -64,34 +75,51 @@ def build(config: ml_collections.ConfigDict, task: Task, example: dict, steps_pe
     spec: override of ``validation.particle_spec(config)`` (benchmarks isolate parts of the step).
     optimizer: ``lr_fn -> optax.GradientTransformation`` for one particle, e.g.
       ``lambda lr: optax.adamw(lr, weight_decay=0.05)``; default the config's SGD (``optim.create_optimizer``).
-    exchange: how resampled particles move (``filter.Exchange``, e.g. ``functools.partial(
-      filter.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
+    exchange: how resampled particles move (``particle_filter.Exchange``, e.g. ``functools.partial(
+      particle_filter.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
   """
   if devices is None:
     validation.setup_devices(config)
-  devices = list(devices or jax.devices()[:config.num_devices or jax.device_count()])
+  devices = list(devices or jax.devices()[: config.num_devices or jax.device_count()])
   dp, _ = validation.validate(config, len(devices))
   mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
   spec = spec or validation.particle_spec(config)
   if getattr(task.model, "shared_init_only", False) and not spec.shared_init:
     raise validation.ConfigError(
-        "init", f"mode={config.mode!r} with init={config.init!r} starts each particle from its own init, but the "
-        "task's model is an nnx.Module instance, which gives every particle its values. Pass a constructor "
-        "instead, Task(model=lambda rngs: MyModel(..., rngs=rngs)), or set config.init='shared'")
+      "init",
+      f"mode={config.mode!r} with init={config.init!r} starts each particle from its own init, but the "
+      "task's model is an nnx.Module instance, which gives every particle its values. Pass a constructor "
+      "instead, Task(model=lambda rngs: MyModel(..., rngs=rngs)), or set config.init='shared'",
+    )
   total, warmup = optim.train_steps(config, steps_per_epoch)
   lr_fn = optim.create_learning_rate_fn(config, total, warmup)
   tx = optim.make_optimizer(config, lr_fn, optimizer)
   abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh)
-  return Parts(config=config, task=task, mesh=mesh, spec=spec, total_steps=total, lr_fn=lr_fn, tx=tx,
-               abstract_state=abstract, init_state=init,
-               train_step=step_lib.make_train_step(task, tx, spec, mesh, lr_fn, exchange),
-               eval_step=eval_step.make_eval_step(task, mesh, spec.particle_loop), fuse=fusion.make_fuse_fn(mesh),
-               diversity=fusion.make_diversity_fn(mesh),
-               fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop))
+  return Parts(
+    config=config,
+    task=task,
+    mesh=mesh,
+    spec=spec,
+    total_steps=total,
+    lr_fn=lr_fn,
+    tx=tx,
+    abstract_state=abstract,
+    init_state=init,
+    train_step=step_lib.make_train_step(task, tx, spec, mesh, lr_fn, exchange),
+    eval_step=eval_step.make_eval_step(task, mesh, spec.particle_loop),
+    fuse=fusion.make_fuse_fn(mesh),
+    diversity=fusion.make_diversity_fn(mesh),
+    fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop),
+  )
 
 
-def state_shapes(config: ml_collections.ConfigDict, task: Task, example: dict, steps_per_epoch: int = 1,
-                 optimizer: Optional[optim.Optimizer] = None):
+def state_shapes(
+  config: ml_collections.ConfigDict,
+  task: Task,
+  example: dict,
+  steps_per_epoch: int = 1,
+  optimizer: Optional[optim.Optimizer] = None,
+):
   """The shapes and dtypes of the state ``config`` builds for ``task`` (no mesh, nothing compiled)."""
   total, warmup = optim.train_steps(config, steps_per_epoch)
   tx = optim.make_optimizer(config, optim.create_learning_rate_fn(config, total, warmup), optimizer)

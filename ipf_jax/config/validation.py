@@ -3,6 +3,7 @@
 Every check runs before anything is compiled and raises one ``ConfigError``
 that names the field and a value that would work.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,9 +35,9 @@ def resolve_particle_loop(loop: str, backend: Optional[str] = None) -> str:
   if loop != "auto":
     return loop
   return BEST_PARTICLE_LOOP.get(backend or jax.default_backend(), "vmap")
+
+
 EXCHANGES = ("auto",) + pf.EXCHANGES
-
-
 
 
 def setup_devices(config: ml_collections.ConfigDict) -> None:
@@ -60,33 +61,47 @@ def setup_devices(config: ml_collections.ConfigDict) -> None:
   have = len(jax.local_devices(backend="cpu"))
   if have == n:
     return
-  raise ConfigError("num_cpu_devices", f"asks for {n} CPU devices, but JAX's backend was started before the run "
-                    f"with {have}, and the count can only be set before JAX's first operation. Set config."
-                    f"num_cpu_devices={have} (or 0: use what is there), or start the run before any other JAX "
-                    "call (jax.devices(), an array op, building an nnx.Module instance: pass a constructor "
-                    "instead), or set jax.config.update(\"jax_num_cpu_devices\", "
-                    f"{n}) right after `import jax`.")
-
-
+  raise ConfigError(
+    "num_cpu_devices",
+    f"asks for {n} CPU devices, but JAX's backend was started before the run "
+    f"with {have}, and the count can only be set before JAX's first operation. Set config."
+    f"num_cpu_devices={have} (or 0: use what is there), or start the run before any other JAX "
+    "call (jax.devices(), an array op, building an nnx.Module instance: pass a constructor "
+    'instead), or set jax.config.update("jax_num_cpu_devices", '
+    f"{n}) right after `import jax`.",
+  )
 
 
 def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
   """The effective particle settings: ``ensemble`` and ``ddp`` switch weights,
   correction and resampling off; ``ipf`` uses the configured values."""
   shared = config.init == "shared" or (config.init == "auto" and config.mode != "ensemble")
-  common = dict(num_particles=config.num_particles, shared_init=shared,
-                particle_loop=resolve_particle_loop(config.particle_loop),
-                grad_accum_steps=int(config.grad_accum_steps))
+  common = dict(
+    num_particles=config.num_particles,
+    shared_init=shared,
+    particle_loop=resolve_particle_loop(config.particle_loop),
+    grad_accum_steps=int(config.grad_accum_steps),
+  )
   if config.mode != "ipf" or config.num_particles == 1:
     return ParticleSpec(**common)
-  return ParticleSpec(**common, resampling=True, temperature=float(config.temperature),
-                      forgetting=float(config.forgetting), correction=float(config.correction),
-                      ess_threshold=float(config.ess_threshold), resample_every=int(config.resample_every),
-                      jitter=float(config.jitter), jitter_lr=float(config.jitter_lr),
-                      compress_correction=bool(config.compress_correction) and config.correction > 0,
-                      elastic_pull=float(config.elastic_pull), resample_exchange=config.resample_exchange,
-                      ess_target=float(config.ess_target), weigh_on=config.weigh_on,
-                      common_examples=int(config.common_examples), islands=int(config.islands))
+  return ParticleSpec(
+    **common,
+    resampling=True,
+    temperature=float(config.temperature),
+    forgetting=float(config.forgetting),
+    correction=float(config.correction),
+    ess_threshold=float(config.ess_threshold),
+    resample_every=int(config.resample_every),
+    jitter=float(config.jitter),
+    jitter_lr=float(config.jitter_lr),
+    compress_correction=bool(config.compress_correction) and config.correction > 0,
+    elastic_pull=float(config.elastic_pull),
+    resample_exchange=config.resample_exchange,
+    ess_target=float(config.ess_target),
+    weigh_on=config.weigh_on,
+    common_examples=int(config.common_examples),
+    islands=int(config.islands),
+  )
 
 
 def _check(cond: bool, field: str, message: str):
@@ -121,9 +136,16 @@ def _validate_numbers(config: ml_collections.ConfigDict) -> None:
     if isinstance(value, float):
       _check(math.isfinite(value), field, f"must be a finite number, got {value}")
   seed = config.seed
-  _check(isinstance(seed, int) and 0 <= seed < 2 ** 32, "seed", f"must be an integer in [0, 2**32), got {seed!r}")
-  for field, choices in (("mode", MODES), ("lr_scaling", LR_SCALING), ("dtype", DTYPES), ("init", INITS),
-                         ("particle_loop", PARTICLE_LOOPS), ("resample_exchange", EXCHANGES), ("weigh_on", WEIGH_ON)):
+  _check(isinstance(seed, int) and 0 <= seed < 2**32, "seed", f"must be an integer in [0, 2**32), got {seed!r}")
+  for field, choices in (
+    ("mode", MODES),
+    ("lr_scaling", LR_SCALING),
+    ("dtype", DTYPES),
+    ("init", INITS),
+    ("particle_loop", PARTICLE_LOOPS),
+    ("resample_exchange", EXCHANGES),
+    ("weigh_on", WEIGH_ON),
+  ):
     _check_choice(config, field, choices)
 
 
@@ -132,55 +154,81 @@ def validate_algorithm(config: ml_collections.ConfigDict) -> None:
   try:
     re.compile(config.shared_params)
   except re.error as e:
-    raise ConfigError("shared_params",
-                      f"is not a valid regular expression ({e}); e.g. '^(conv_init|bn_init)'") from None
+    raise ConfigError(
+      "shared_params", f"is not a valid regular expression ({e}); e.g. '^(conv_init|bn_init)'"
+    ) from None
   p = config.num_particles
   _check(isinstance(p, int) and p >= 1, "num_particles", f"must be an integer >= 1, got {p!r}")
   if config.mode == "ddp":
-    _check(p == 1, "num_particles",
-           f"mode='ddp' trains one model, got num_particles={p}; set num_particles=1 "
-           "or use mode='ensemble' or mode='ipf' for a population")
+    _check(
+      p == 1,
+      "num_particles",
+      f"mode='ddp' trains one model, got num_particles={p}; set num_particles=1 "
+      "or use mode='ensemble' or mode='ipf' for a population",
+    )
   _check(config.temperature >= 0, "temperature", f"must be >= 0, got {config.temperature}")
   _check(0 <= config.forgetting <= 1, "forgetting", f"must be in [0, 1], got {config.forgetting}")
-  _check(0 <= config.ess_target < 1, "ess_target", f"must be in [0, 1) (a fraction of P; 0 = off), got "
-                                                   f"{config.ess_target}")
+  _check(
+    0 <= config.ess_target < 1, "ess_target", f"must be in [0, 1) (a fraction of P; 0 = off), got {config.ess_target}"
+  )
   _check(config.jitter_lr >= 0, "jitter_lr", f"must be >= 0, got {config.jitter_lr}")
-  _check(isinstance(config.common_examples, int) and config.common_examples >= 1, "common_examples",
-         f"must be an integer >= 1, got {config.common_examples!r}")
+  _check(
+    isinstance(config.common_examples, int) and config.common_examples >= 1,
+    "common_examples",
+    f"must be an integer >= 1, got {config.common_examples!r}",
+  )
   islands = config.islands
-  _check(isinstance(islands, int) and islands >= 1 and p % islands == 0, "islands",
-         f"must be an integer >= 1 that divides num_particles={p}, got {islands!r}")
+  _check(
+    isinstance(islands, int) and islands >= 1 and p % islands == 0,
+    "islands",
+    f"must be an integer >= 1 that divides num_particles={p}, got {islands!r}",
+  )
   _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")
   _check(0 <= config.elastic_pull <= 1, "elastic_pull", f"must be in [0, 1], got {config.elastic_pull}")
   _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")
-  _check(config.resample_every >= 0, "resample_every",
-         f"must be >= 0 (0 = never on schedule), got {config.resample_every}")
+  _check(
+    config.resample_every >= 0, "resample_every", f"must be >= 0 (0 = never on schedule), got {config.resample_every}"
+  )
   _check(config.jitter >= 0, "jitter", f"must be >= 0, got {config.jitter}")
   bn_batches = config.fused_bn_batches
-  _check(isinstance(bn_batches, int) and bn_batches >= 0, "fused_bn_batches",
-         f"must be an integer >= 0 (0 = weighted average of the particles' statistics), got {bn_batches!r}")
+  _check(
+    isinstance(bn_batches, int) and bn_batches >= 0,
+    "fused_bn_batches",
+    f"must be an integer >= 0 (0 = weighted average of the particles' statistics), got {bn_batches!r}",
+  )
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:
   """The model zoo's, the loss's and the optimizer's fields."""
-  _check(len(config.cnn_features) >= 1 and all(isinstance(f, int) and f >= 1 for f in config.cnn_features),
-         "cnn_features",
-         f"must be a non-empty list of positive channel counts, got {config.cnn_features!r}")
+  _check(
+    len(config.cnn_features) >= 1 and all(isinstance(f, int) and f >= 1 for f in config.cnn_features),
+    "cnn_features",
+    f"must be a non-empty list of positive channel counts, got {config.cnn_features!r}",
+  )
   _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
-  _check(isinstance(config.grad_accum_steps, int) and config.grad_accum_steps >= 1, "grad_accum_steps",
-         f"must be an integer >= 1 (1 = off), got {config.grad_accum_steps!r}")
+  _check(
+    isinstance(config.grad_accum_steps, int) and config.grad_accum_steps >= 1,
+    "grad_accum_steps",
+    f"must be an integer >= 1 (1 = off), got {config.grad_accum_steps!r}",
+  )
   _check(config.base_lr > 0, "base_lr", f"must be > 0, got {config.base_lr}")
   _check(config.reference_batch_size >= 1, "reference_batch_size", f"must be >= 1, got {config.reference_batch_size}")
   _check(config.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {config.warmup_steps}")
   _check(0 <= config.momentum < 1, "momentum", f"must be in [0, 1), got {config.momentum}")
   _check(config.weight_decay >= 0, "weight_decay", f"must be >= 0, got {config.weight_decay}")
   scale = config.loss_scale_init
-  _check(scale >= 1 and math.log2(scale).is_integer(), "loss_scale_init",
-         f"must be a power of 2 >= 1 (e.g. 65536.0), got {scale}")
+  _check(
+    scale >= 1 and math.log2(scale).is_integer(),
+    "loss_scale_init",
+    f"must be a power of 2 >= 1 (e.g. 65536.0), got {scale}",
+  )
   interval = config.loss_scale_growth_interval
-  _check(isinstance(interval, int) and interval >= 1, "loss_scale_growth_interval",
-         f"must be an integer >= 1 (e.g. 2000), got {interval!r}")
+  _check(
+    isinstance(interval, int) and interval >= 1,
+    "loss_scale_growth_interval",
+    f"must be an integer >= 1 (e.g. 2000), got {interval!r}",
+  )
   _check(config.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {config.grad_clip_norm}")
 
 
@@ -188,12 +236,21 @@ def _validate_run(config: ml_collections.ConfigDict) -> None:
   """How long the run trains, how often it logs, evaluates and saves; the data's fields."""
   _check(config.num_train_steps >= 1, "num_train_steps", f"must be >= 1, got {config.num_train_steps}")
   _check(config.log_every_steps >= 1, "log_every_steps", f"must be >= 1, got {config.log_every_steps}")
-  _check(config.checkpoint_every_steps >= -1, "checkpoint_every_steps",
-         f"must be >= 0 (0 = only at the end) or -1 (never), got {config.checkpoint_every_steps}")
-  _check(config.checkpoint_every_minutes >= 0, "checkpoint_every_minutes",
-         f"must be >= 0 (0 = off), got {config.checkpoint_every_minutes}")
-  _check(config.time_limit_minutes >= 0, "time_limit_minutes",
-         f"must be >= 0 (0 = no limit), got {config.time_limit_minutes}")
+  _check(
+    config.checkpoint_every_steps >= -1,
+    "checkpoint_every_steps",
+    f"must be >= 0 (0 = only at the end) or -1 (never), got {config.checkpoint_every_steps}",
+  )
+  _check(
+    config.checkpoint_every_minutes >= 0,
+    "checkpoint_every_minutes",
+    f"must be >= 0 (0 = off), got {config.checkpoint_every_minutes}",
+  )
+  _check(
+    config.time_limit_minutes >= 0,
+    "time_limit_minutes",
+    f"must be >= 0 (0 = no limit), got {config.time_limit_minutes}",
+  )
   _check(config.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {config.keep_checkpoints}")
   _check(config.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0, got {config.eval_every_steps}")
   _check(config.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {config.global_batch_size}")
@@ -202,59 +259,101 @@ def _validate_run(config: ml_collections.ConfigDict) -> None:
   _check(0 < config.train_fraction <= 1, "train_fraction", f"must be in (0, 1], got {config.train_fraction}")
   _check(0 <= config.label_noise < 1, "label_noise", f"must be in [0, 1), got {config.label_noise}")
   if config.dataset != "digits":
-    _check(config.train_fraction == 1 and config.label_noise == 0, "train_fraction",
-           "train_fraction and label_noise apply to the embedded digits dataset only; leave them at 1.0 and 0.0")
+    _check(
+      config.train_fraction == 1 and config.label_noise == 0,
+      "train_fraction",
+      "train_fraction and label_noise apply to the embedded digits dataset only; leave them at 1.0 and 0.0",
+    )
   _check(config.image_size >= 8, "image_size", f"must be >= 8, got {config.image_size}")
   _check(config.shuffle_buffer >= 1, "shuffle_buffer", f"must be >= 1, got {config.shuffle_buffer}")
-  _check(0 <= config.calibration_fraction < 0.5, "calibration_fraction",
-         f"must be in [0, 0.5) (a fraction of the train split), got {config.calibration_fraction}")
-  _check(isinstance(config.shift_examples, int) and config.shift_examples >= 0, "shift_examples",
-         f"{config.shift_examples!r} must be a whole number >= 0 (0 = the whole test set)")
-  _check(config.eval_batch_size > 0, "eval_batch_size",
-         f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)")
+  _check(
+    0 <= config.calibration_fraction < 0.5,
+    "calibration_fraction",
+    f"must be in [0, 0.5) (a fraction of the train split), got {config.calibration_fraction}",
+  )
+  _check(
+    isinstance(config.shift_examples, int) and config.shift_examples >= 0,
+    "shift_examples",
+    f"{config.shift_examples!r} must be a whole number >= 0 (0 = the whole test set)",
+  )
+  _check(
+    config.eval_batch_size > 0,
+    "eval_batch_size",
+    f"{config.eval_batch_size} must be positive (it is rounded up to a multiple of the device count)",
+  )
 
 
 def _validate_mesh(config: ml_collections.ConfigDict, available_devices: int) -> tuple[int, int]:
   """The devices, the mesh ``(Dp, Dd)`` and the batch: what divides what."""
   p = config.num_particles
   _check(config.num_devices >= 0, "num_devices", f"must be >= 0 (0 = all), got {config.num_devices}")
-  _check(config.particle_axis_size >= 0, "particle_axis_size",
-         f"must be >= 0 (0 = gcd(num_particles, devices)), got {config.particle_axis_size}")
+  _check(
+    config.particle_axis_size >= 0,
+    "particle_axis_size",
+    f"must be >= 0 (0 = gcd(num_particles, devices)), got {config.particle_axis_size}",
+  )
   _check(config.num_cpu_devices >= 0, "num_cpu_devices", f"must be >= 0 (0 = leave), got {config.num_cpu_devices}")
   n = config.num_devices or available_devices
-  _check(n <= available_devices, "num_devices",
-         f"asks for {config.num_devices} devices but {available_devices} exist; "
-         f"use num_devices=0 (all) or a value <= {available_devices}")
+  _check(
+    n <= available_devices,
+    "num_devices",
+    f"asks for {config.num_devices} devices but {available_devices} exist; "
+    f"use num_devices=0 (all) or a value <= {available_devices}",
+  )
   dp = config.particle_axis_size
   if dp:
-    _check(n % dp == 0, "particle_axis_size",
-           f"{dp} does not divide the {n} devices; use a divisor of {n} such as {math.gcd(p, n)}, "
-           f"or 0 for gcd(num_particles, devices)")
-    _check(p % dp == 0, "num_particles",
-           f"{p} particles cannot be split over particle_axis_size={dp}; use a multiple of {dp} "
-           f"(e.g. {dp * max(1, p // dp)}), set particle_axis_size to a divisor of {p}, or 0 to choose "
-           f"gcd({p}, devices) (e.g. {math.gcd(p, n)} on these {n} devices)")
+    _check(
+      n % dp == 0,
+      "particle_axis_size",
+      f"{dp} does not divide the {n} devices; use a divisor of {n} such as {math.gcd(p, n)}, "
+      f"or 0 for gcd(num_particles, devices)",
+    )
+    _check(
+      p % dp == 0,
+      "num_particles",
+      f"{p} particles cannot be split over particle_axis_size={dp}; use a multiple of {dp} "
+      f"(e.g. {dp * max(1, p // dp)}), set particle_axis_size to a divisor of {p}, or 0 to choose "
+      f"gcd({p}, devices) (e.g. {math.gcd(p, n)} on these {n} devices)",
+    )
   dp, dd = mesh_lib.mesh_shape(p, n, dp)
+  _validate_batch(config, available_devices, dd)
+  return dp, dd
+
+
+def _validate_batch(config: ml_collections.ConfigDict, available_devices: int, dd: int) -> None:
+  """The global batch over ``P x Dd`` shards, each shard's part over the micro-batches and the common examples."""
+  p = config.num_particles
   g = config.global_batch_size
   axis = config.particle_axis_size
-  fits = [d for d in range(1, available_devices + 1)
-          if (not axis or d % axis == 0) and g % (p * mesh_lib.mesh_shape(p, d, axis)[1]) == 0]
-  _check(g % (p * dd) == 0, "global_batch_size",
-         f"{g} is not divisible by num_particles x data devices = {p} x {dd} = {p * dd}; "
-         f"use a multiple of {p * dd} such as {max(1, g // (p * dd)) * p * dd}"
-         + (f", or run on num_devices in {fits}" if fits else ""))
+  fits = [
+    d
+    for d in range(1, available_devices + 1)
+    if (not axis or d % axis == 0) and g % (p * mesh_lib.mesh_shape(p, d, axis)[1]) == 0
+  ]
+  _check(
+    g % (p * dd) == 0,
+    "global_batch_size",
+    f"{g} is not divisible by num_particles x data devices = {p} x {dd} = {p * dd}; "
+    f"use a multiple of {p * dd} such as {max(1, g // (p * dd)) * p * dd}"
+    + (f", or run on num_devices in {fits}" if fits else ""),
+  )
   k = config.grad_accum_steps
   shard = g // (p * dd)
-  _check(shard % k == 0, "grad_accum_steps",
-         f"{k} micro-batches do not divide the {shard} examples of a particle's part of a data shard "
-         f"(global_batch_size / (num_particles x data devices) = {g} / ({p} x {dd})); use a divisor of {shard} "
-         f"such as {max(d for d in range(1, k + 1) if shard % d == 0)}, or a global_batch_size that is a multiple "
-         f"of {p * dd * k}")
+  _check(
+    shard % k == 0,
+    "grad_accum_steps",
+    f"{k} micro-batches do not divide the {shard} examples of a particle's part of a data shard "
+    f"(global_batch_size / (num_particles x data devices) = {g} / ({p} x {dd})); use a divisor of {shard} "
+    f"such as {max(d for d in range(1, k + 1) if shard % d == 0)}, or a global_batch_size that is a multiple "
+    f"of {p * dd * k}",
+  )
   if config.weigh_on == "common" and config.mode == "ipf":
-    _check(config.common_examples <= shard, "common_examples",
-           f"{config.common_examples} is more than the {shard} examples of a particle's part of a data shard "
-           f"(global_batch_size / (num_particles x data devices)); use at most {shard}")
-  return dp, dd
+    _check(
+      config.common_examples <= shard,
+      "common_examples",
+      f"{config.common_examples} is more than the {shard} examples of a particle's part of a data shard "
+      f"(global_batch_size / (num_particles x data devices)); use at most {shard}",
+    )
 
 
 def validate_data(config: ml_collections.ConfigDict, train_size: Optional[int], available_devices: int) -> None:
@@ -262,15 +361,19 @@ def validate_data(config: ml_collections.ConfigDict, train_size: Optional[int], 
   g = config.global_batch_size
   if train_size is None or train_size >= g:
     return
-  dp, dd = mesh_lib.mesh_shape(config.num_particles, config.num_devices or available_devices,
-                               config.particle_axis_size)
+  dp, dd = mesh_lib.mesh_shape(config.num_particles, config.num_devices or available_devices, config.particle_axis_size)
   unit = config.num_particles * dd
-  fit = f"at most {train_size}" + (f" (a multiple of {unit}, e.g. {train_size // unit * unit})"
-                                   if train_size >= unit else "")
+  fit = f"at most {train_size}" + (
+    f" (a multiple of {unit}, e.g. {train_size // unit * unit})" if train_size >= unit else ""
+  )
   if config.dataset == "digits" and config.train_fraction < 1:
-    raise ConfigError("train_fraction", f"{config.train_fraction} keeps {train_size} training example"
-                      f"{'s' if train_size != 1 else ''}, fewer than one global batch (global_batch_size={g}); "
-                      f"raise train_fraction, or lower global_batch_size "
-                      f"to {fit}")
-  raise ConfigError("global_batch_size", f"{g} is larger than the {config.dataset} training set ({train_size} "
-                    f"examples); use {fit}")
+    raise ConfigError(
+      "train_fraction",
+      f"{config.train_fraction} keeps {train_size} training example"
+      f"{'s' if train_size != 1 else ''}, fewer than one global batch (global_batch_size={g}); "
+      f"raise train_fraction, or lower global_batch_size "
+      f"to {fit}",
+    )
+  raise ConfigError(
+    "global_batch_size", f"{g} is larger than the {config.dataset} training set ({train_size} examples); use {fit}"
+  )

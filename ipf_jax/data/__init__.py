@@ -5,6 +5,7 @@ there (``fashion_mnist`` from Debian's files: ``python -m ipf_jax.data.prepare f
 user's own arrays (``ArrayDataset``) or batch functions (``Data``), and the shifted and OOD evaluation sets.
 Knows nothing of the mesh: ``ipf_jax.spmd.layout`` places a batch on it.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ def create_dataset(config: ml_collections.ConfigDict):
   ``eval_batches(n)``."""
   if config.dataset == "digits":
     from ipf_jax.data import digits
+
     data = digits.load()
     if config.calibration_fraction:  # before the label noise: the temperature is fitted on clean labels
       data = data.holdout(config.calibration_fraction)
@@ -32,7 +34,13 @@ def create_dataset(config: ml_collections.ConfigDict):
     return data
   if config.dataset in TFDS_DATASETS:
     from ipf_jax.data import tfds_input  # imports TensorFlow: only for TFDS datasets
+
     data_dir = os.path.expanduser(config.data_dir) if config.data_dir else None  # "~/..." in a config file
-    return tfds_input.TFDSDataset(config.dataset, data_dir, config.image_size,
-                                  shuffle_buffer=config.shuffle_buffer, small_images=config.dataset != "imagenet2012")
+    return tfds_input.TFDSDataset(
+      config.dataset,
+      data_dir,
+      config.image_size,
+      shuffle_buffer=config.shuffle_buffer,
+      small_images=config.dataset != "imagenet2012",
+    )
   raise ConfigError("dataset", f"unknown dataset {config.dataset!r}; use one of {', '.join(DATASETS)}")

@@ -3,6 +3,7 @@
 ``ArrayDataset(name, train={"image": X, "label": y}, test={...})`` takes any
 keys and shapes (images and labels, regression inputs and targets, videos).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,11 +55,13 @@ class ArrayDataset:
     """
     per_epoch = self.steps_per_epoch(global_batch_size)
     if per_epoch == 0:
-      raise ValueError(f"config.global_batch_size: {global_batch_size} is larger than the {self.name} training "
-                       f"set ({self.train_size} examples); use a smaller batch")
+      raise ValueError(
+        f"config.global_batch_size: {global_batch_size} is larger than the {self.name} training "
+        f"set ({self.train_size} examples); use a smaller batch"
+      )
     epoch, i = divmod(step, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(self.train_size)
-    idx = order[i * global_batch_size:(i + 1) * global_batch_size]
+    idx = order[i * global_batch_size : (i + 1) * global_batch_size]
     return {k: v[idx] for k, v in self.train.items()}
 
   def harder(self, train_fraction: float, label_noise: float, seed: int = 0) -> "ArrayDataset":
@@ -66,7 +69,7 @@ class ArrayDataset:
     replaced by a uniformly drawn *other* class (symmetric noise; classification). The test set is
     untouched."""
     rng = np.random.default_rng([seed, 7919])
-    keep = np.sort(rng.permutation(self.train_size)[:max(1, round(train_fraction * self.train_size))])
+    keep = np.sort(rng.permutation(self.train_size)[: max(1, round(train_fraction * self.train_size))])
     train = {k: v[keep] for k, v in self.train.items()}
     labels = train["label"].copy()
     noisy = rng.random(len(labels)) < label_noise
@@ -82,11 +85,15 @@ class ArrayDataset:
     cut = max(1, round(fraction * self.train_size))
     held, rest = np.sort(order[:cut]), np.sort(order[cut:])
     name = f"{self.name} ({fraction:g} held out)"
-    calibration = dataclasses.replace(self, name=f"{self.name} (the {fraction:g} held out)",
-                                      train={k: v[held[:1]] for k, v in self.train.items()},
-                                      test={k: v[held] for k, v in self.train.items()})
-    return dataclasses.replace(self, name=name, train={k: v[rest] for k, v in self.train.items()},
-                               calibration=calibration)
+    calibration = dataclasses.replace(
+      self,
+      name=f"{self.name} (the {fraction:g} held out)",
+      train={k: v[held[:1]] for k, v in self.train.items()},
+      test={k: v[held] for k, v in self.train.items()},
+    )
+    return dataclasses.replace(
+      self, name=name, train={k: v[rest] for k, v in self.train.items()}, calibration=calibration
+    )
 
   def train_batches(self, start_step: int, global_batch_size: int, seed: int) -> Iterator[dict]:
     """``train_batch`` for ``start_step, start_step + 1, ...``."""
@@ -100,5 +107,5 @@ class ArrayDataset:
     parts) in batches of at most ``batch_size`` (the evaluation pads and masks the last one)."""
     part = np.array_split(np.arange(self.test_size), jax.process_count())[jax.process_index()]
     for start in range(0, len(part), batch_size):
-      idx = part[start:start + batch_size]
+      idx = part[start : start + batch_size]
       yield {k: v[idx] for k, v in self.test.items()}

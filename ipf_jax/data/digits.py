@@ -1,4 +1,5 @@
 """scikit-learn's handwritten digits: 1797 real 8x8 images, shipped with the package."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,5 +18,6 @@ def load() -> ArrayDataset:
   x = (x.reshape(-1, 8, 8, 1) / 16.0).astype(np.float32)
   y = y.astype(np.int32)
   x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y)
-  return ArrayDataset(name="digits", train={"image": x_tr, "label": y_tr}, test={"image": x_te, "label": y_te},
-                      num_classes=10)
+  return ArrayDataset(
+    name="digits", train={"image": x_tr, "label": y_tr}, test={"image": x_te, "label": y_te}, num_classes=10
+  )

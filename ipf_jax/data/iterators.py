@@ -1,4 +1,5 @@
 """Any data as functions that give host batches (dicts of numpy arrays): ``Data``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ class Data:
       process's part, e.g. ``tfds.split_for_jax_process``), in batches of at most the size the
       evaluation asks for; ``False``: every process gives the whole set.
   """
+
   train: Callable[[int], Iterator[dict]]
   eval: Callable[[], Iterable[dict]]
   example: dict
@@ -38,8 +40,10 @@ class Data:
 
   def __post_init__(self):
     if not callable(self.train) or not callable(self.eval):
-      raise TypeError("ipf_jax.Data: train and eval are functions (train(start_step) -> iterator, eval() -> "
-                      "iterable), so that a resumed run can start at its step and each evaluation reads anew")
+      raise TypeError(
+        "ipf_jax.Data: train and eval are functions (train(start_step) -> iterator, eval() -> "
+        "iterable), so that a resumed run can start at its step and each evaluation reads anew"
+      )
 
   def steps_per_epoch(self, global_batch_size: int) -> Optional[int]:
     return self.steps_per_epoch_fn(global_batch_size) if self.steps_per_epoch_fn else None

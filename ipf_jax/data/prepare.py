@@ -13,6 +13,7 @@ so ``tfds.builder("fashion_mnist", data_dir=DIR)`` then reads exactly what
 (IDX magic numbers, 60,000 + 10,000 28x28 images, labels 0-9) and a dataset
 already prepared in ``DIR`` is left alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,20 @@ import numpy as np
 from ipf_jax.data.errors import DataError
 
 DEBIAN_SOURCE = {"fashion_mnist": "/usr/share/datasets/fashion-mnist"}
-FILES = {"train_data": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
-         "test_data": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte"}
+FILES = {
+  "train_data": "train-images-idx3-ubyte",
+  "train_labels": "train-labels-idx1-ubyte",
+  "test_data": "t10k-images-idx3-ubyte",
+  "test_labels": "t10k-labels-idx1-ubyte",
+}
 COUNTS = {"train": 60_000, "test": 10_000}
 SIDE = 28
-GET_IT = ("install Debian's copy (`apt-get install dataset-fashion-mnist`, files under "
-          "/usr/share/datasets/fashion-mnist) and run `python -m ipf_jax.data.prepare fashion_mnist --data_dir DIR`, "
-          "or on a machine with internet access `tfds build fashion_mnist --data_dir DIR`; then pass "
-          "--config.data_dir=DIR")
+GET_IT = (
+  "install Debian's copy (`apt-get install dataset-fashion-mnist`, files under "
+  "/usr/share/datasets/fashion-mnist) and run `python -m ipf_jax.data.prepare fashion_mnist --data_dir DIR`, "
+  "or on a machine with internet access `tfds build fashion_mnist --data_dir DIR`; then pass "
+  "--config.data_dir=DIR"
+)
 
 
 def _find(source: str, stem: str) -> str:
@@ -53,16 +60,19 @@ def _read_idx(path: str) -> np.ndarray:
     with opener(path, "rb") as f:
       data = f.read()
   except (OSError, EOFError) as e:
-    raise DataError(f"{path}: cannot be read ({e}); reinstall it (`apt-get install --reinstall "
-                    "dataset-fashion-mnist`)") from None
+    raise DataError(
+      f"{path}: cannot be read ({e}); reinstall it (`apt-get install --reinstall dataset-fashion-mnist`)"
+    ) from None
   if len(data) < 8 or data[:2] != b"\0\0" or data[2] != 8:
     raise DataError(f"{path}: not an IDX file of unsigned bytes (its header is {data[:4].hex()})")
   ndim = data[3]
-  shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
-  body = data[4 + 4 * ndim:]
+  shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+  body = data[4 + 4 * ndim :]
   if len(body) != int(np.prod(shape)):
-    raise DataError(f"{path}: the header says {shape} ({int(np.prod(shape))} bytes), the file holds {len(body)}: "
-                    "truncated or damaged; reinstall it")
+    raise DataError(
+      f"{path}: the header says {shape} ({int(np.prod(shape))} bytes), the file holds {len(body)}: "
+      "truncated or damaged; reinstall it"
+    )
   return np.frombuffer(body, np.uint8).reshape(shape)
 
 
@@ -76,8 +86,10 @@ def read_fashion_mnist(source: str) -> dict:
     images = _read_idx(_find(source, FILES[f"{split}_data"]))
     labels = _read_idx(_find(source, FILES[f"{split}_labels"]))
     if images.shape != (count, SIDE, SIDE) or labels.shape != (count,):
-      raise DataError(f"{source}: the {split} files hold images {images.shape} and labels {labels.shape}, "
-                      f"not Fashion-MNIST's ({count}, {SIDE}, {SIDE}) and ({count},)")
+      raise DataError(
+        f"{source}: the {split} files hold images {images.shape} and labels {labels.shape}, "
+        f"not Fashion-MNIST's ({count}, {SIDE}, {SIDE}) and ({count},)"
+      )
     if labels.max() > 9:
       raise DataError(f"{source}: the {split} labels go up to {labels.max()}; Fashion-MNIST has 10 classes")
     out[split] = images, labels
@@ -87,6 +99,7 @@ def read_fashion_mnist(source: str) -> dict:
 def prepared(name: str, data_dir: str) -> bool:
   """Whether TFDS finds ``name`` prepared in ``data_dir``."""
   import tensorflow_datasets as tfds
+
   try:
     return tfds.builder(name, data_dir=data_dir).is_prepared()
   except Exception:  # noqa: BLE001 - an unreadable folder is "not prepared"; writing then says why
@@ -115,6 +128,7 @@ def prepare_fashion_mnist(data_dir: Optional[str] = None, source: str = DEBIAN_S
   """Write TFDS's ``fashion_mnist`` into ``data_dir`` (TFDS's default folder when ``None``) from the IDX
   files in ``source``; returns the dataset's folder. Does nothing when it is already prepared there."""
   import tensorflow_datasets as tfds
+
   data_dir = os.path.expanduser(data_dir) if data_dir else None
   if prepared("fashion_mnist", data_dir):
     return tfds.builder("fashion_mnist", data_dir=data_dir).data_dir
@@ -139,10 +153,14 @@ DATASETS = {"fashion_mnist": prepare_fashion_mnist}
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m ipf_jax.data.prepare", description=__doc__.split("\n\n")[0])
   parser.add_argument("dataset", choices=sorted(DATASETS))
-  parser.add_argument("--data_dir", default=None, help="TFDS data folder to write into (default: TFDS's, "
-                                                       "~/tensorflow_datasets); pass it to --config.data_dir")
-  parser.add_argument("--source", default=None, help="folder of the original files (default: Debian's, "
-                                                     f"{DEBIAN_SOURCE['fashion_mnist']})")
+  parser.add_argument(
+    "--data_dir",
+    default=None,
+    help="TFDS data folder to write into (default: TFDS's, ~/tensorflow_datasets); pass it to --config.data_dir",
+  )
+  parser.add_argument(
+    "--source", default=None, help=f"folder of the original files (default: Debian's, {DEBIAN_SOURCE['fashion_mnist']})"
+  )
   args = parser.parse_args(argv)
   source = args.source or DEBIAN_SOURCE[args.dataset]
   try:

@@ -12,6 +12,7 @@ Fashion-MNIST-vs-digits pairing, with sklearn's 1,797 in place of MNIST) or
 sets of CIFAR-10 and ImageNet and any TFDS image dataset as OOD, read like the
 dataset's own eval split. ``ood_dataset`` may name several sets, comma-separated.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,11 +25,11 @@ SEED = 20_261_130
 
 # Digits corruptions: the parameter of each severity (pixels in [0, 1], 8 x 8 images).
 DIGITS_CORRUPTIONS = {
-    "gaussian_noise": (0.08, 0.12, 0.18, 0.26, 0.38),  # noise standard deviation
-    "blur": (0.3, 0.4, 0.5, 0.6, 0.75),  # Gaussian blur sigma, pixels
-    "rotation": (5.0, 10.0, 15.0, 20.0, 30.0),  # degrees, the sign drawn per image
-    "translation": (0.25, 0.5, 0.75, 1.0, 1.5),  # pixels, the direction drawn per image
-    "contrast": (0.9, 0.8, 0.7, 0.6, 0.5),  # factor on the deviation from each image's mean
+  "gaussian_noise": (0.08, 0.12, 0.18, 0.26, 0.38),  # noise standard deviation
+  "blur": (0.3, 0.4, 0.5, 0.6, 0.75),  # Gaussian blur sigma, pixels
+  "rotation": (5.0, 10.0, 15.0, 20.0, 30.0),  # degrees, the sign drawn per image
+  "translation": (0.25, 0.5, 0.75, 1.0, 1.5),  # pixels, the direction drawn per image
+  "contrast": (0.9, 0.8, 0.7, 0.6, 0.5),  # factor on the deviation from each image's mean
 }
 DIGITS_OOD = ("photos",)
 # TFDS datasets whose shifted sets are the corruptions above, computed here on the eval split (images in
@@ -39,14 +40,33 @@ PHOTOS = 1797  # photo patches beside a TFDS test set: as many as there are digi
 
 # TFDS: the corruptions of CIFAR-10-C and ImageNet-C (TFDS configs ``<corruption>_<severity>``) and the
 # other shifted test sets, by the dataset they shift.
-CORRUPTIONS_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
-                 "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
-                 "jpeg_compression")
+CORRUPTIONS_C = (
+  "gaussian_noise",
+  "shot_noise",
+  "impulse_noise",
+  "defocus_blur",
+  "glass_blur",
+  "motion_blur",
+  "zoom_blur",
+  "snow",
+  "frost",
+  "fog",
+  "brightness",
+  "contrast",
+  "elastic_transform",
+  "pixelate",
+  "jpeg_compression",
+)
 TFDS_SHIFTS = {
-    "cifar10": {"corrupted": ("cifar10_corrupted", "test"), "sets": {"cifar10_1": ("cifar10_1", "test")}},
-    "imagenet2012": {"corrupted": ("imagenet2012_corrupted", "validation"),
-                     "sets": {"imagenet_v2": ("imagenet_v2", "test"), "imagenet_a": ("imagenet_a", "test"),
-                              "imagenet_r": ("imagenet_r", "test")}},
+  "cifar10": {"corrupted": ("cifar10_corrupted", "test"), "sets": {"cifar10_1": ("cifar10_1", "test")}},
+  "imagenet2012": {
+    "corrupted": ("imagenet2012_corrupted", "validation"),
+    "sets": {
+      "imagenet_v2": ("imagenet_v2", "test"),
+      "imagenet_a": ("imagenet_a", "test"),
+      "imagenet_r": ("imagenet_r", "test"),
+    },
+  },
 }
 
 
@@ -54,6 +74,7 @@ def corrupt(images: np.ndarray, corruption: str, severity: int) -> np.ndarray:
   """``images`` ``[N, S, S, C]`` in ``[0, 1]`` under ``corruption`` at ``severity`` (1-5), clipped to
   ``[0, 1]``; the same output on every call. Lengths (blur sigma, shift) are the 8 x 8 digits' times S/8."""
   from scipy import ndimage
+
   level = DIGITS_CORRUPTIONS[corruption][severity - 1]
   if corruption in ("blur", "translation"):
     level = level * images.shape[1] / 8
@@ -65,12 +86,17 @@ def corrupt(images: np.ndarray, corruption: str, severity: int) -> np.ndarray:
     x = ndimage.gaussian_filter(x, sigma=(0, level, level, 0), mode="constant")
   elif corruption == "rotation":
     signs = rng.choice([-1.0, 1.0], len(x))
-    x = np.stack([ndimage.rotate(im, s * level, axes=(0, 1), reshape=False, order=1, mode="constant")
-                  for im, s in zip(x, signs)])
+    x = np.stack(
+      [ndimage.rotate(im, s * level, axes=(0, 1), reshape=False, order=1, mode="constant") for im, s in zip(x, signs)]
+    )
   elif corruption == "translation":
     angles = rng.uniform(0, 2 * np.pi, len(x))
-    x = np.stack([ndimage.shift(im, (level * np.sin(a), level * np.cos(a), 0), order=1, mode="constant")
-                  for im, a in zip(x, angles)])
+    x = np.stack(
+      [
+        ndimage.shift(im, (level * np.sin(a), level * np.cos(a), 0), order=1, mode="constant")
+        for im, a in zip(x, angles)
+      ]
+    )
   elif corruption == "contrast":
     mean = x.mean(axis=(1, 2, 3), keepdims=True)
     x = (x - mean) * level + mean
@@ -87,6 +113,7 @@ def upscaled_digits(size: int = 28) -> np.ndarray:
   8 x 8, ink bright on black like Fashion-MNIST's objects)."""
   from scipy import ndimage
   from sklearn.datasets import load_digits
+
   x = load_digits().images / 16.0
   x = ndimage.zoom(x, (1, size / 8, size / 8), order=1, grid_mode=True, mode="grid-constant")
   return np.clip(x, 0.0, 1.0)[..., None].astype(np.float32)
@@ -97,19 +124,22 @@ def photo_patches(num: int, size: int = 8) -> np.ndarray:
   square crops (fixed seed; 32 x 32 for digits) block-averaged 4 x 4 (smaller blocks above 106 x 106),
   stretched to ``[0, 1]`` like the digits' ink."""
   from sklearn.datasets import load_sample_images
+
   photos = [im.astype(np.float64).mean(-1) for im in load_sample_images().images]
   rng = np.random.default_rng([SEED, 99])
   shortest = min(p.shape[0] for p in photos)
   block = max(1, min(4, shortest // size))  # 4 x 4 blocks up to 106 x 106 patches
   crop = size * block
   if crop >= shortest:
-    raise DataError(f"photo patches of {size} x {size} do not fit in the sample photographs (427 x 640); "
-                    "use a smaller config.image_size or another ood_dataset")
+    raise DataError(
+      f"photo patches of {size} x {size} do not fit in the sample photographs (427 x 640); "
+      "use a smaller config.image_size or another ood_dataset"
+    )
   out = []
   for i in range(num):
     photo = photos[i % len(photos)]
     r, c = rng.integers(0, photo.shape[0] - crop), rng.integers(0, photo.shape[1] - crop)
-    patch = photo[r:r + crop, c:c + crop].reshape(size, block, size, block).mean((1, 3))
+    patch = photo[r : r + crop, c : c + crop].reshape(size, block, size, block).mean((1, 3))
     lo, hi = patch.min(), patch.max()
     out.append((patch - lo) / max(hi - lo, 1e-6))
   return np.stack(out)[..., None].astype(np.float32)
@@ -133,8 +163,12 @@ def names(config, dataset_name: str) -> tuple:
   unknown = [s for s in asked if s not in known]
   if unknown:
     from ipf_jax.errors import ConfigError
-    raise ConfigError("eval_shifts", f"{', '.join(unknown)} not known for dataset {dataset_name!r}; use 'all' "
-                                     f"or some of: {', '.join(known) or '(none)'}")
+
+    raise ConfigError(
+      "eval_shifts",
+      f"{', '.join(unknown)} not known for dataset {dataset_name!r}; use 'all' "
+      f"or some of: {', '.join(known) or '(none)'}",
+    )
   return tuple(asked)
 
 
@@ -156,16 +190,27 @@ def eval_sets(config, dataset) -> dict:
   n = config.shift_examples or None
   if config.dataset == "digits":
     test = {k: v[:n] for k, v in dataset.test.items()}
-    return {f"{c}_{s}": _arrays(f"digits/{c}_{s}", {**test, "image": corrupt(test["image"], c, s)})
-            for c in shifts for s in SEVERITIES}
+    return {
+      f"{c}_{s}": _arrays(f"digits/{c}_{s}", {**test, "image": corrupt(test["image"], c, s)})
+      for c in shifts
+      for s in SEVERITIES
+    }
   if config.dataset in ARRAY_SHIFTS:
     from ipf_jax.data import tfds_input
+
     images, labels = tfds_input.test_images(dataset)
     images, labels = images[:n], labels[:n]  # uint8; each set is corrupted when it is evaluated
-    return {f"{c}_{s}": tfds_input.ArrayEvalSet(
-        f"{config.dataset}/{c}_{s}", images, labels, dataset,
-        transform=lambda x, c=c, s=s: corrupt(x.astype(np.float32) / 255.0, c, s) * 255.0)
-        for c in shifts for s in SEVERITIES}
+    return {
+      f"{c}_{s}": tfds_input.ArrayEvalSet(
+        f"{config.dataset}/{c}_{s}",
+        images,
+        labels,
+        dataset,
+        transform=lambda x, c=c, s=s: corrupt(x.astype(np.float32) / 255.0, c, s) * 255.0,
+      )
+      for c in shifts
+      for s in SEVERITIES
+    }
   table = TFDS_SHIFTS[config.dataset]
   out = {}
   for shift in shifts:
@@ -184,6 +229,7 @@ def ood_names(config) -> tuple:
   names_ = [s.strip() for s in config.ood_dataset.split(",") if s.strip()]
   if len(set(names_)) != len(names_):
     from ipf_jax.errors import ConfigError
+
     raise ConfigError("ood_dataset", f"{config.ood_dataset!r} names a set twice")
   return tuple(names_)
 
@@ -204,23 +250,32 @@ def _ood_set(config, dataset, name: str):
   if config.dataset == "digits":
     if name != "photos":
       from ipf_jax.errors import ConfigError
-      raise ConfigError("ood_dataset", f"{name!r} is not available for digits; use 'photos' (8x8 patches of "
-                                       "scikit-learn's sample photographs)")
+
+      raise ConfigError(
+        "ood_dataset",
+        f"{name!r} is not available for digits; use 'photos' (8x8 patches of scikit-learn's sample photographs)",
+      )
     images = photo_patches(config.shift_examples or dataset.test_size)
     return _arrays("photos", {"image": images, "label": np.zeros(len(images), np.int32)})
   if name in ARRAY_OOD.get(config.dataset, ()):
     from ipf_jax.data import tfds_input
+
     side = dataset.image_size
-    images = upscaled_digits(side)[:config.shift_examples or None] if name == "digits" else photo_patches(
-        config.shift_examples or PHOTOS, side)
+    images = (
+      upscaled_digits(side)[: config.shift_examples or None]
+      if name == "digits"
+      else photo_patches(config.shift_examples or PHOTOS, side)
+    )
     return tfds_input.ArrayEvalSet(name, images * 255.0, None, dataset)
   try:
     return _tfds(config, dataset, name, "test")
   except DataError as e:
     if config.dataset not in ARRAY_OOD:
       raise
-    raise DataError(f"config.ood_dataset: {name!r} is neither one of {config.dataset}'s own OOD sets "
-                    f"({', '.join(ARRAY_OOD[config.dataset])}) nor a prepared TFDS dataset ({e})") from None
+    raise DataError(
+      f"config.ood_dataset: {name!r} is neither one of {config.dataset}'s own OOD sets "
+      f"({', '.join(ARRAY_OOD[config.dataset])}) nor a prepared TFDS dataset ({e})"
+    ) from None
 
 
 def _first(split: str, n) -> str:
@@ -233,8 +288,10 @@ def _arrays(name: str, test: dict) -> ArrayDataset:
 
 def _tfds(config, dataset, builder_name: str, split: str):
   from ipf_jax.data import tfds_input
-  if not isinstance(dataset, tfds_input.TFDSDataset):
-    raise DataError(f"config.eval_shifts / ood_dataset: {builder_name} is a TFDS dataset; it needs a TFDS "
-                    f"dataset to train on (got {type(dataset).__name__})")
-  return tfds_input.TFDSEvalSet(builder_name, split, dataset)
 
+  if not isinstance(dataset, tfds_input.TFDSDataset):
+    raise DataError(
+      f"config.eval_shifts / ood_dataset: {builder_name} is a TFDS dataset; it needs a TFDS "
+      f"dataset to train on (got {type(dataset).__name__})"
+    )
+  return tfds_input.TFDSEvalSet(builder_name, split, dataset)

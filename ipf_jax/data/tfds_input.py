@@ -5,6 +5,7 @@ shuffles with seed ``(seed, e)``, a resumed run skips the records of the steps
 already done without decoding them, and augmentation uses stateless ops seeded
 by the example's position in the stream.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,18 @@ import numpy as np
 
 # Per-channel statistics of the training sets, in [0, 255].
 # Fashion-MNIST (grey): of its 60,000 training images (ipf_jax.data.prepare.read_fashion_mnist).
-MEAN_RGB = {"imagenet2012": (123.675, 116.28, 103.53), "cifar10": (125.3, 123.0, 113.9),
-            "cifar100": (129.3, 124.1, 112.4), "fashion_mnist": (72.94,)}
-STDDEV_RGB = {"imagenet2012": (58.395, 57.12, 57.375), "cifar10": (63.0, 62.1, 66.7),
-              "cifar100": (68.2, 65.4, 70.4), "fashion_mnist": (90.02,)}
+MEAN_RGB = {
+  "imagenet2012": (123.675, 116.28, 103.53),
+  "cifar10": (125.3, 123.0, 113.9),
+  "cifar100": (129.3, 124.1, 112.4),
+  "fashion_mnist": (72.94,),
+}
+STDDEV_RGB = {
+  "imagenet2012": (58.395, 57.12, 57.375),
+  "cifar10": (63.0, 62.1, 66.7),
+  "cifar100": (68.2, 65.4, 70.4),
+  "fashion_mnist": (90.02,),
+}
 EVAL_SPLIT = {"imagenet2012": "validation", "cifar10": "test", "cifar100": "test", "fashion_mnist": "test"}
 CROP_PADDING = 32  # ImageNet eval: resize to image_size + 32, then center crop (224 -> 256 -> 224)
 
@@ -29,6 +38,7 @@ from ipf_jax.data.errors import DataError  # noqa: E402,F401 - re-exported
 
 def _tf():
   import tensorflow as tf
+
   tf.config.set_visible_devices([], "GPU")  # tf.data only: leave the accelerators to JAX
   return tf
 
@@ -36,11 +46,14 @@ def _tf():
 def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
   where = data_dir or os.path.expanduser("~/tensorflow_datasets")  # no ~ after --config.data_dir= (not expanded)
   if name.split("/")[0] in ("imagenet2012", "imagenet2012_corrupted"):
-    return (f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
-            f"{where}/downloads/manual/, then run `tfds build {name} --data_dir={where}` "
-            f"(and pass --config.data_dir={where}).")
+    return (
+      f"ImageNet must be downloaded by hand: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into "
+      f"{where}/downloads/manual/, then run `tfds build {name} --data_dir={where}` "
+      f"(and pass --config.data_dir={where})."
+    )
   if name == "fashion_mnist":
     from ipf_jax.data.prepare import GET_IT
+
     return f"To get it: {GET_IT.replace('DIR', where)}."
   return f"Prepare it on a machine with internet access: `tfds build {name} --data_dir={where}`."
 
@@ -48,6 +61,7 @@ def _prepare_hint(name: str, data_dir: Optional[str]) -> str:
 def load_builder(name: str, data_dir: Optional[str], split: str = "train", field: str = "dataset"):
   """The prepared TFDS builder, or one ``DataError`` (naming ``config.<field>``) that says how to prepare it."""
   import tensorflow_datasets as tfds
+
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except Exception as e:  # noqa: BLE001 - unknown name, unreadable directory
@@ -55,8 +69,10 @@ def load_builder(name: str, data_dir: Optional[str], split: str = "train", field
   try:
     builder.as_dataset(split=split)  # lazy; fails at once if the prepared files are missing
   except AssertionError:
-    raise DataError(f"config.{field}: TFDS dataset {name!r} is not prepared in data_dir="
-                    f"{data_dir or builder.data_dir}. {_prepare_hint(name, data_dir)}") from None
+    raise DataError(
+      f"config.{field}: TFDS dataset {name!r} is not prepared in data_dir="
+      f"{data_dir or builder.data_dir}. {_prepare_hint(name, data_dir)}"
+    ) from None
   return builder
 
 
@@ -68,9 +84,15 @@ def _normalize(tf, image, name):
 def _random_resized_crop(tf, image, size, seed):
   """Inception-style crop (8%-100% area, 3/4-4/3 aspect), resized to ``size``."""
   begin, crop, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.shape(image), bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, [1, 1, 4]), seed=seed,
-      min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
-      use_image_if_no_bounding_boxes=True)
+    tf.shape(image),
+    bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, [1, 1, 4]),
+    seed=seed,
+    min_object_covered=0.1,
+    aspect_ratio_range=(3 / 4, 4 / 3),
+    area_range=(0.08, 1.0),
+    max_attempts=10,
+    use_image_if_no_bounding_boxes=True,
+  )
   image = tf.slice(image, begin, crop)
   return tf.image.resize(image, (size, size), method="bicubic")
 
@@ -80,8 +102,9 @@ def _center_crop(tf, image, size):
   shape = tf.shape(image)
   h, w = tf.cast(shape[0], tf.float32), tf.cast(shape[1], tf.float32)
   scale = tf.cast(size + CROP_PADDING, tf.float32) / tf.minimum(h, w)
-  image = tf.image.resize(image, (tf.cast(tf.round(h * scale), tf.int32), tf.cast(tf.round(w * scale), tf.int32)),
-                          method="bicubic")
+  image = tf.image.resize(
+    image, (tf.cast(tf.round(h * scale), tf.int32), tf.cast(tf.round(w * scale), tf.int32)), method="bicubic"
+  )
   return tf.image.resize_with_crop_or_pad(image, size, size)
 
 
@@ -103,6 +126,7 @@ def decode_image(feature, encoded):
 @dataclasses.dataclass
 class TFDSDataset:
   """A TFDS classification dataset with the interface the trainer uses."""
+
   name: str
   data_dir: Optional[str]
   image_size: int
@@ -138,6 +162,7 @@ class TFDSDataset:
   def _train_dataset(self, epoch: int, skip: int, local_batch: int, seed: int):
     tf = _tf()
     import tensorflow_datasets as tfds
+
     split = tfds.split_for_jax_process("train", drop_remainder=True)
     options = tf.data.Options()
     options.deterministic = True
@@ -173,8 +198,9 @@ class TFDSDataset:
     local_batch = global_batch_size // jax.process_count()
     per_epoch = self.steps_per_epoch(global_batch_size)
     if per_epoch == 0:
-      raise DataError(f"config.global_batch_size: {global_batch_size} exceeds the {self.num_train} training "
-                      f"examples of {self.name}")
+      raise DataError(
+        f"config.global_batch_size: {global_batch_size} exceeds the {self.num_train} training examples of {self.name}"
+      )
     step = start_step
     while True:
       epoch, first = divmod(step, per_epoch)
@@ -191,6 +217,7 @@ class TFDSDataset:
 def _eval_batches(builder, split: str, like: TFDSDataset, batch_size: int) -> Iterator[dict]:
   """``split`` of ``builder`` preprocessed as ``like``'s eval split (crop or resize, its normalisation)."""
   import tensorflow_datasets as tfds
+
   ds = builder.as_dataset(split=tfds.split_for_jax_process(split, drop_remainder=False), shuffle_files=False)
   return _preprocessed_batches(ds, like, batch_size, cropped=builder.info.name == "imagenet2012_corrupted")
 
@@ -223,6 +250,7 @@ def _preprocessed_batches(ds, like: TFDSDataset, batch_size: int, cropped: bool 
 class TFDSEvalSet:
   """A shifted or OOD eval set (``data.shifts``): ``split`` of the TFDS dataset ``builder_name``, read
   and preprocessed as ``like``'s eval split."""
+
   eval_process_local = True
 
   def __init__(self, builder_name: str, split: str, like: TFDSDataset):
@@ -238,10 +266,10 @@ class ArrayEvalSet:
   """A shifted or OOD eval set held in memory (``data.shifts``: corrupted copies of a test split, images
   from elsewhere): ``images`` ``[N, H, W, C]`` in [0, 255], preprocessed as ``like``'s eval split. Each
   process reads its own near-equal part."""
+
   eval_process_local = True
 
-  def __init__(self, name: str, images: np.ndarray, labels: Optional[np.ndarray], like: TFDSDataset,
-               transform=None):
+  def __init__(self, name: str, images: np.ndarray, labels: Optional[np.ndarray], like: TFDSDataset, transform=None):
     self.name, self.like, self.images, self.transform = name, like, images, transform
     self.labels = np.zeros(len(images), np.int32) if labels is None else np.asarray(labels, np.int32)
     self.test_size = len(self.images)
@@ -259,6 +287,7 @@ class ArrayEvalSet:
 def test_images(dataset: TFDSDataset) -> tuple:
   """``(images uint8 [N, H, W, C], labels)`` of ``dataset``'s whole eval split, in TFDS's order."""
   import tensorflow_datasets as tfds
+
   _tf()
   ds = dataset.builder.as_dataset(split=EVAL_SPLIT[dataset.name], shuffle_files=False, batch_size=-1)
   arrays = tfds.as_numpy(ds)

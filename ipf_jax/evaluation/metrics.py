@@ -1,5 +1,6 @@
 """Metrics as additive sums (classification: accuracy, NLL, ECE; Gaussian regression: NLL, RMSE), so
 eval batches and devices combine with ``+``/``psum`` and finish on the host."""
+
 from __future__ import annotations
 
 import jax
@@ -21,10 +22,10 @@ def certainty(probs):
   ``(log10 log C - log10 H) / (7 + log10 log C)`` (both clipped; 7 decades resolve float32's
   confidences near 1). ``[..., b, 2]``."""
   num_classes = probs.shape[-1]
-  from_max = -jnp.log10(jnp.maximum(1.0 - jnp.max(probs, axis=-1), 10.0 ** -CERTAINTY_DECADES)) / CERTAINTY_DECADES
+  from_max = -jnp.log10(jnp.maximum(1.0 - jnp.max(probs, axis=-1), 10.0**-CERTAINTY_DECADES)) / CERTAINTY_DECADES
   entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, _EPS)), axis=-1)
   top = np.log10(np.log(max(num_classes, 2)))
-  from_entropy = (top - jnp.log10(jnp.maximum(entropy, 10.0 ** -CERTAINTY_DECADES))) / (CERTAINTY_DECADES + top)
+  from_entropy = (top - jnp.log10(jnp.maximum(entropy, 10.0**-CERTAINTY_DECADES))) / (CERTAINTY_DECADES + top)
   return jnp.clip(jnp.stack([from_max, from_entropy], axis=-1), 0.0, 1.0)
 
 
@@ -67,10 +68,17 @@ def classification_sums(probs, labels, mask, num_bins: int = NUM_ECE_BINS):
   certainty_bins = jnp.stack([scores.sum(0), jnp.einsum("bsk,b->sk", scores, correct)], axis=-1)
   log_p = jnp.log(jnp.maximum(probs, 1e-30))
   # one temperature at a time (lax.map): a [b, C] buffer, not [T, b, C] (ImageNet: 41 x 1000 x 1000 floats)
-  tempered_sums = lax.map(lambda t: _calibration_sums(jax.nn.softmax(log_p / t, axis=-1), labels, mask, num_bins)[0],
-                          jnp.asarray(TEMPERATURES, jnp.float32))
-  return {"count": mask.sum(), "correct": (correct * mask).sum(), **sums, "certainty_bins": certainty_bins,
-          "tempered": tempered_sums}
+  tempered_sums = lax.map(
+    lambda t: _calibration_sums(jax.nn.softmax(log_p / t, axis=-1), labels, mask, num_bins)[0],
+    jnp.asarray(TEMPERATURES, jnp.float32),
+  )
+  return {
+    "count": mask.sum(),
+    "correct": (correct * mask).sum(),
+    **sums,
+    "certainty_bins": certainty_bins,
+    "tempered": tempered_sums,
+  }
 
 
 def _ece(bins):
@@ -115,12 +123,19 @@ def finalize(sums) -> dict:
   accuracy_at, area = selective(sums["certainty_bins"][..., 0, :, :])
   tempered = sums["tempered"]
   per_t = lambda x: x / count[..., None]
-  return {"accuracy": sums["correct"] / count, "nll": sums["nll"] / count, "ece": _ece(bins),
-          "brier": sums["brier"] / count, "selective_auc": area, "selective_accuracy": accuracy_at,
-          "reliability": np.stack([bins[..., 0], bins[..., 1] / n_b, bins[..., 2] / n_b], -1),
-          "certainty_counts": sums["certainty_bins"][..., 0],
-          "nll_by_temperature": per_t(tempered["nll"]), "brier_by_temperature": per_t(tempered["brier"]),
-          "ece_by_temperature": _ece(tempered["ece_bins"])}
+  return {
+    "accuracy": sums["correct"] / count,
+    "nll": sums["nll"] / count,
+    "ece": _ece(bins),
+    "brier": sums["brier"] / count,
+    "selective_auc": area,
+    "selective_accuracy": accuracy_at,
+    "reliability": np.stack([bins[..., 0], bins[..., 1] / n_b, bins[..., 2] / n_b], -1),
+    "certainty_counts": sums["certainty_bins"][..., 0],
+    "nll_by_temperature": per_t(tempered["nll"]),
+    "brier_by_temperature": per_t(tempered["brier"]),
+    "ece_by_temperature": _ece(tempered["ece_bins"]),
+  }
 
 
 def diversity_sums(probs, alive, mask, total):
@@ -150,8 +165,10 @@ def diversity_sums(probs, alive, mask, total):
 def finalize_diversity(sums) -> dict:
   sums = jax.tree.map(np.asarray, sums)
   # both are >= 0; float32 sums of many terms can land a hair below
-  return {"disagreement": np.maximum(sums["disagreement"] / sums["count"], 0.0),
-          "pairwise_kl": np.maximum(sums["pairwise_kl"] / sums["count"], 0.0)}
+  return {
+    "disagreement": np.maximum(sums["disagreement"] / sums["count"], 0.0),
+    "pairwise_kl": np.maximum(sums["pairwise_kl"] / sums["count"], 0.0),
+  }
 
 
 def weighted_train_loss(m: dict) -> float:
@@ -179,13 +196,20 @@ def regression_sums(pred, targets, mask):
   mask = mask.astype(jnp.float32)
   nll = -pred["log_density"]
   variance = jnp.maximum(pred["second_moment"] - jnp.square(pred["mean"]), 0.0)
-  return {"count": mask.sum(), "nll": (nll * mask).sum(),
-          "squared_error": (jnp.square(targets - pred["mean"]) * mask).sum(), "variance": (variance * mask).sum()}
+  return {
+    "count": mask.sum(),
+    "nll": (nll * mask).sum(),
+    "squared_error": (jnp.square(targets - pred["mean"]) * mask).sum(),
+    "variance": (variance * mask).sum(),
+  }
 
 
 def finalize_regression(sums) -> dict:
   """NLL, RMSE of the predictive mean, and the mean predictive variance."""
   sums = jax.tree.map(np.asarray, sums)
   count = sums["count"]
-  return {"nll": sums["nll"] / count, "rmse": np.sqrt(sums["squared_error"] / count),
-          "mean_variance": sums["variance"] / count}
+  return {
+    "nll": sums["nll"] / count,
+    "rmse": np.sqrt(sums["squared_error"] / count),
+    "mean_variance": sums["variance"] / count,
+  }

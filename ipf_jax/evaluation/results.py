@@ -1,5 +1,6 @@
 """An evaluation's results beyond the eval step's sums: the rows of the final table, a shifted set's brief
 results, temperature scaling fitted on a held-out set, OOD AUROC (numpy, on the host)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -8,8 +9,12 @@ import numpy as np
 
 from ipf_jax.evaluation import metrics
 
-ROWS = (("ensemble (weighted)", "ensemble"), ("ensemble (uniform)", "ensemble_uniform"), ("fused model", "fused"),
-        ("fused model, BN re-estimated", "fused_bn"))
+ROWS = (
+  ("ensemble (weighted)", "ensemble"),
+  ("ensemble (uniform)", "ensemble_uniform"),
+  ("fused model", "fused"),
+  ("fused model, BN re-estimated", "fused_bn"),
+)
 
 
 BRIEF = ("accuracy", "nll", "ece", "brier", "selective_auc", "reliability")  # what a shifted set keeps
@@ -27,8 +32,7 @@ def brief(results: dict, calibration: Optional[dict] = None) -> dict:
   return out
 
 
-_CURVES = ("selective_accuracy", "certainty_counts", "nll_by_temperature", "brier_by_temperature",
-           "ece_by_temperature")
+_CURVES = ("selective_accuracy", "certainty_counts", "nll_by_temperature", "brier_by_temperature", "ece_by_temperature")
 
 
 def temperature_scaled(calibration: dict, test: dict) -> dict:
@@ -41,8 +45,11 @@ def temperature_scaled(calibration: dict, test: dict) -> dict:
     curve = np.asarray(calibration.get(key, {}).get("nll_by_temperature", np.nan))
     if np.isfinite(curve).any():
       i = int(np.nanargmin(curve))
-      out[key] = {"temperature": float(metrics.TEMPERATURES[i]), "at_grid_edge": i in (0, len(curve) - 1),
-                  **{m: float(test[key][f"{m}_by_temperature"][i]) for m in ("nll", "ece", "brier")}}
+      out[key] = {
+        "temperature": float(metrics.TEMPERATURES[i]),
+        "at_grid_edge": i in (0, len(curve) - 1),
+        **{m: float(test[key][f"{m}_by_temperature"][i]) for m in ("nll", "ece", "brier")},
+      }
   return out
 
 
@@ -53,6 +60,8 @@ def ood_auroc(test: dict, ood: dict) -> dict:
   for key in ("particles",) + tuple(k for _, k in ROWS):
     if "certainty_counts" in test.get(key, {}):
       a, b = np.asarray(test[key]["certainty_counts"]), np.asarray(ood[key]["certainty_counts"])
-      out[key] = {"auroc_max_prob": metrics.auroc(a[..., 0, :], b[..., 0, :]),
-                  "auroc_entropy": metrics.auroc(a[..., 1, :], b[..., 1, :])}
+      out[key] = {
+        "auroc_max_prob": metrics.auroc(a[..., 0, :], b[..., 0, :]),
+        "auroc_entropy": metrics.auroc(a[..., 1, :], b[..., 1, :]),
+      }
   return out

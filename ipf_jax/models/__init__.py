@@ -3,6 +3,7 @@ named by ``config.model``, and ``model_from_fields`` rebuilds one from the field
 Flax Linen modules written for one particle and one device's batch; BatchNorm averages over the axis it is
 given (``"data"``: SyncBN within a particle's group). Any other Flax module, Linen or NNX, works too
 (``ipf_jax.Task``)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,8 +14,14 @@ from ipf_jax.errors import ConfigError
 from ipf_jax.models import resnet
 from ipf_jax.models.cnn import CNN
 
-RESNETS = {"resnet18": resnet.ResNet18, "resnet34": resnet.ResNet34, "resnet50": resnet.ResNet50,
-           "resnet101": resnet.ResNet101, "resnet152": resnet.ResNet152, "resnet_tiny": resnet.ResNetTiny}
+RESNETS = {
+  "resnet18": resnet.ResNet18,
+  "resnet34": resnet.ResNet34,
+  "resnet50": resnet.ResNet50,
+  "resnet101": resnet.ResNet101,
+  "resnet152": resnet.ResNet152,
+  "resnet_tiny": resnet.ResNetTiny,
+}
 MODELS = ("cnn",) + tuple(RESNETS)
 # The config fields that rebuild a zoo model (an export stores them with the number of classes).
 MODEL_FIELDS = ("model", "cnn_features", "small_inputs", "dtype", "bn_momentum")
@@ -25,12 +32,22 @@ def create_model(config, num_classes: int, bn_axis_name: Optional[str] = None):
   dtype = jnp.dtype(config["dtype"])
   name = config["model"]
   if name == "cnn":
-    return CNN(num_classes=num_classes, features=tuple(config["cnn_features"]), dtype=dtype,
-               bn_momentum=config["bn_momentum"], bn_axis_name=bn_axis_name)
+    return CNN(
+      num_classes=num_classes,
+      features=tuple(config["cnn_features"]),
+      dtype=dtype,
+      bn_momentum=config["bn_momentum"],
+      bn_axis_name=bn_axis_name,
+    )
   if name in RESNETS:
-    return RESNETS[name](num_classes=num_classes, dtype=dtype, bn_momentum=config["bn_momentum"],
-                         bn_axis_name=bn_axis_name, small_inputs=config["small_inputs"],
-                         remat=config.get("remat", False))
+    return RESNETS[name](
+      num_classes=num_classes,
+      dtype=dtype,
+      bn_momentum=config["bn_momentum"],
+      bn_axis_name=bn_axis_name,
+      small_inputs=config["small_inputs"],
+      remat=config.get("remat", False),
+    )
   raise ConfigError("model", f"unknown model {name!r}; use one of {', '.join(MODELS)}")
 
 

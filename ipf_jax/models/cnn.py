@@ -1,4 +1,5 @@
 """A small convolutional network for low-resolution images (8x8 digits)."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -14,6 +15,7 @@ class CNN(nn.Module):
   ``bn_axis_name`` names the mesh axis BatchNorm averages its batch statistics
   over in train mode (``"data"`` = SyncBN inside the particle's group).
   """
+
   num_classes: int
   features: Sequence[int] = (32, 64, 128)
   dtype: Any = jnp.float32
@@ -22,8 +24,14 @@ class CNN(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool):
-    norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum,
-                   epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name)
+    norm = partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=self.bn_momentum,
+      epsilon=1e-5,
+      dtype=self.dtype,
+      axis_name=self.bn_axis_name,
+    )
     x = x.astype(self.dtype)
     for i, f in enumerate(self.features):
       if i > 0:

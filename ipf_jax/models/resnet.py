@@ -4,6 +4,7 @@ BatchNorm averages its batch statistics over ``bn_axis_name`` in train mode
 (``"data"`` = SyncBN inside a particle's device group). Parameters are float32;
 ``dtype`` sets the compute dtype (bfloat16 on TPUs and recent GPUs).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -17,6 +18,7 @@ ModuleDef = Any
 
 class ResNetBlock(nn.Module):
   """Basic block: two 3x3 convs (ResNet-18/34)."""
+
   filters: int
   conv: ModuleDef
   norm: ModuleDef
@@ -44,7 +46,8 @@ class BottleneckResNetBlock(ResNetBlock):
     y = self.norm(scale_init=nn.initializers.zeros_init())(self.conv(self.filters * 4, (1, 1))(y))
     if residual.shape != y.shape:
       residual = self.norm(name="norm_proj")(
-          self.conv(self.filters * 4, (1, 1), self.strides, name="conv_proj")(residual))
+        self.conv(self.filters * 4, (1, 1), self.strides, name="conv_proj")(residual)
+      )
     return self.act(residual + y)
 
 
@@ -55,6 +58,7 @@ class ResNet(nn.Module):
   ``remat`` recomputes each block's activations in the backward pass
   (gradient checkpointing): less memory, about one extra forward of compute.
   """
+
   stage_sizes: Sequence[int]
   block_cls: ModuleDef
   num_classes: int
@@ -69,8 +73,14 @@ class ResNet(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = True):
     conv = partial(nn.Conv, use_bias=False, dtype=self.dtype)
-    norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5,
-                   dtype=self.dtype, axis_name=self.bn_axis_name)
+    norm = partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=self.bn_momentum,
+      epsilon=1e-5,
+      dtype=self.dtype,
+      axis_name=self.bn_axis_name,
+    )
     block_cls = nn.remat(self.block_cls) if self.remat else self.block_cls
     x = x.astype(self.dtype)
     if self.small_inputs:
@@ -83,8 +93,14 @@ class ResNet(nn.Module):
     for i, block_size in enumerate(self.stage_sizes):
       for j in range(block_size):
         strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-        x = block_cls(self.num_filters * 2 ** i, strides=strides, conv=conv, norm=norm, act=self.act,
-                      name=f"stage{i + 1}_block{j + 1}")(x)
+        x = block_cls(
+          self.num_filters * 2**i,
+          strides=strides,
+          conv=conv,
+          norm=norm,
+          act=self.act,
+          name=f"stage{i + 1}_block{j + 1}",
+        )(x)
     x = jnp.mean(x, axis=(1, 2))
     x = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
     return x.astype(jnp.float32)

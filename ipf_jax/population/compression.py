@@ -15,6 +15,7 @@ running sum of compressed consensuses stays within one step's residual of the
 exact running sum (no drift). Residuals are per particle (``[P, N]``) and move
 with their particle when it is resampled.
 """
+
 from __future__ import annotations
 
 import jax
@@ -58,7 +59,7 @@ def unflatten(vector, like):
   out, start = [], 0
   for x in leaves:
     size = x[0].size
-    out.append(vector[start:start + size].reshape(x.shape[1:]).astype(x.dtype))
+    out.append(vector[start : start + size].reshape(x.shape[1:]).astype(x.dtype))
     start += size
   return jax.tree.unflatten(treedef, out)
 
@@ -89,8 +90,11 @@ def compressed_consensus(grads, weights, residual, axis_name: str, axis_size: in
   q2, s2 = quantize(chunk)
   me = lax.axis_index(axis_name)
   error2 = chunk - dequantize(q2, s2)
-  residual = residual.at[0].set(lax.dynamic_update_slice_in_dim(
-      residual[0], lax.dynamic_slice_in_dim(residual[0], me * nb * BLOCK, nb * BLOCK) + error2, me * nb * BLOCK, 0))
+  residual = residual.at[0].set(
+    lax.dynamic_update_slice_in_dim(
+      residual[0], lax.dynamic_slice_in_dim(residual[0], me * nb * BLOCK, nb * BLOCK) + error2, me * nb * BLOCK, 0
+    )
+  )
   q_all = lax.all_gather(q2, axis_name)  # [Dp, nb, B]
   s_all = lax.all_gather(s2, axis_name)
   total = dequantize(q_all, s_all).reshape(-1)

@@ -4,6 +4,7 @@ Inside ``shard_map`` each leaf is the local block ``[L, ...]`` and ``weights``
 the local ``[L]`` normalised weights; the sum over all particles is a local sum
 followed by ``psum`` over the particle axis.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -39,4 +40,3 @@ def correct(grads, weights, strength: float, axis_name: Optional[str] = None):
   if strength == 0.0:
     return grads
   return mix(grads, weighted_sum(grads, weights, axis_name), strength)
-

@@ -5,6 +5,7 @@ train step gathers once per step (``gather_all``); ``exchange`` and
 ``gather_all`` run inside ``shard_map`` on the local ``[L]`` block of the
 particle axis and communicate over the named mesh axis.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,8 +76,16 @@ def ess(log_w, islands: int = 1, dead: float = 0.0):
   return islands * jnp.min(jnp.where(jnp.isfinite(own), own, dead))
 
 
-def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetting: float, target_ess: float,
-                         iterations: int = 30, islands: int = 1):
+def adaptive_temperature(
+  previous,
+  loss,
+  alive,
+  max_temperature: float,
+  forgetting: float,
+  target_ess: float,
+  iterations: int = 30,
+  islands: int = 1,
+):
   """The largest ``tau`` in ``[0, max_temperature]`` with ``ess(normalize(rho prev - tau loss)) >= target_ess``
   (bisection over ``iterations`` halvings, replicated: all arguments are the ``[P]`` values of every
   particle); ``max_temperature`` when that already keeps the ESS, ``0`` when nothing does.
@@ -87,6 +96,7 @@ def adaptive_temperature(previous, loss, alive, max_temperature: float, forgetti
     target_ess: in particles (``ess_target * P``); ``islands``: as in ``ess``, over the islands that have a
       finite weight (an island with none has no ESS for ``tau`` to keep).
   """
+
   def ess_at(tau):  # an island without weight has no ESS to keep: it counts as infinite
     return ess(normalize(update_log_weights(previous, loss, alive, tau, forgetting), islands), islands, jnp.inf)
 
@@ -281,8 +291,9 @@ def _put_slot(o, j, value, take, big: float):
   others by a ``where`` (a ``cond`` per leaf and round would multiply the compile time)."""
   if o.size >= big:
     return lax.cond(take, lambda o, v: lax.dynamic_update_index_in_dim(o, v, j, 0), lambda o, v: o, o, value)
-  return lax.dynamic_update_index_in_dim(o, jnp.where(take, value, lax.dynamic_index_in_dim(o, j, keepdims=False)),
-                                         j, 0)
+  return lax.dynamic_update_index_in_dim(
+    o, jnp.where(take, value, lax.dynamic_index_in_dim(o, j, keepdims=False)), j, 0
+  )
 
 
 def _send_buckets(values: list, groups: list, axis_name: str, perm: list) -> list:
@@ -344,8 +355,9 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
         move = lambda out, j=j, take=take: [put(o, j, one(o, mine_loc[j]), take) for o in out]
       else:
         wanted = lax.dynamic_index_in_dim(src_loc, dest, keepdims=False)[j]  # mine that dest's slot j takes
-        move = (lambda out, j=j, wanted=wanted, perm=perm, take=mine_dev[j] == sender:
-                [put(o, j, v, take) for o, v in zip(out, send([one(o, wanted) for o in out], perm))])
+        move = lambda out, j=j, wanted=wanted, perm=perm, take=mine_dev[j] == sender: [
+          put(o, j, v, take) for o, v in zip(out, send([one(o, wanted) for o in out], perm))
+        ]
       out = lax.cond(active[k, j], move, lambda out: out, out)
   return jax.tree.unflatten(treedef, out)
 
@@ -369,18 +381,31 @@ def jitter(params, src, key, sigma: float, axis_name: str):
 
   def add_noise(j, out):
     eps = jnp.split(jax.random.normal(jax.random.fold_in(key, slots[j]), (sum(sizes),)), np.cumsum(sizes)[:-1])
-    return [lax.dynamic_update_index_in_dim(
-        x, lax.dynamic_index_in_dim(x, j, keepdims=False) + (sigma * e.reshape(x.shape[1:])).astype(x.dtype), j, 0)
-            for x, e in zip(out, eps)]
+    return [
+      lax.dynamic_update_index_in_dim(
+        x, lax.dynamic_index_in_dim(x, j, keepdims=False) + (sigma * e.reshape(x.shape[1:])).astype(x.dtype), j, 0
+      )
+      for x, e in zip(out, eps)
+    ]
 
   # A survivor's slot draws nothing; one loop body (not one cond per slot) keeps the compile time flat in L.
-  leaves = lax.fori_loop(0, num_local, lambda j, out: lax.cond(copied[j], add_noise, lambda j, out: out, j, out),
-                         leaves)
+  leaves = lax.fori_loop(
+    0, num_local, lambda j, out: lax.cond(copied[j], add_noise, lambda j, out: out, j, out), leaves
+  )
   return jax.tree.unflatten(treedef, leaves)
 
 
-def resample(key, particle, log_w, all_log_w, axis_size: int, sigma: float = 0.0, axis_name: str = "particle",
-             exchange: Exchange = exchange_all_to_all, islands: int = 1):
+def resample(
+  key,
+  particle,
+  log_w,
+  all_log_w,
+  axis_size: int,
+  sigma: float = 0.0,
+  axis_name: str = "particle",
+  exchange: Exchange = exchange_all_to_all,
+  islands: int = 1,
+):
   """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
   ``u`` from ``Stream.RESAMPLE``; slot ``n`` takes particle ``sources(u, all_log_w, islands)[n]``

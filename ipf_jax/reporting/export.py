@@ -5,6 +5,7 @@
   model, variables = ipf_jax.load_fused("WORKDIR/fused_model")
   logits = model.apply(variables, images, train=False)
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,8 @@ def load_fused(path: str, model=None):
       fields = json.load(f)
     fields = fields.get("model", fields)  # exports before the "model" key held the fields at the top
     if not fields:
-      raise ValueError(f"{path}.json names no zoo model: pass the Flax module you trained, "
-                       "load_fused(path, model=...)")
+      raise ValueError(f"{path}.json names no zoo model: pass the Flax module you trained, load_fused(path, model=...)")
     from ipf_jax.models import model_from_fields
+
     model = model_from_fields(fields)
   return model, variables

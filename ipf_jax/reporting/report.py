@@ -11,6 +11,7 @@ finish: the newest eval_results.step<N>.json of --eval_only):
 calibration.png (reliability diagrams, accuracy against coverage) and, when
 the run evaluated shifted sets, shifts.png (accuracy and ECE per severity).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,7 @@ def _events(path: str):
   """
   from tensorboardX.proto.event_pb2 import Event
   from tensorboardX.record_writer import masked_crc32c
+
   with open(path, "rb") as f:
     while True:
       header = f.read(12)
@@ -129,15 +131,24 @@ def plot_genealogy(scalars, path, plt):
   fig, ax = plt.subplots(figsize=(8, 4.5))
   num = len(ancestors) or len(_indexed(scalars, "particle/weight/"))
   events = _resample_steps(scalars)
-  ax.set(xlabel="resampling event", ylabel="slot", title="Particle genealogy: slot <- ancestor at each resampling",
-         yticks=range(num))
+  ax.set(
+    xlabel="resampling event",
+    ylabel="slot",
+    title="Particle genealogy: slot <- ancestor at each resampling",
+    yticks=range(num),
+  )
   for k, step in enumerate(events):
     for slot, (s, v) in ancestors.items():
       hit = np.nonzero(s == step)[0]
       if hit.size:
         a = int(v[hit[0]])
-        ax.plot([k, k + 1], [a, slot], color="C3" if a != slot else "C0", lw=1.2 if a != slot else 0.6,
-                alpha=0.9 if a != slot else 0.4)
+        ax.plot(
+          [k, k + 1],
+          [a, slot],
+          color="C3" if a != slot else "C0",
+          lw=1.2 if a != slot else 0.6,
+          alpha=0.9 if a != slot else 0.4,
+        )
   if not len(events):
     ax.text(0.5, 0.5, "no resampling in this run", transform=ax.transAxes, ha="center")
   fig.tight_layout()
@@ -147,13 +158,18 @@ def plot_genealogy(scalars, path, plt):
 
 def plot_eval(scalars, path, plt):
   rows = ("ensemble", "ensemble_uniform", "fused", "fused_bn")
-  models = sorted({t.split("/")[1] for t in scalars if t.startswith("eval/")
-                   and (t.split("/")[1] in rows or re.fullmatch(r"particle_\d+", t.split("/")[1]))},
-                  key=lambda m: (not m.startswith("particle"),
-                                 int(m.split("_")[1]) if m.startswith("particle_") else 0, m))
+  models = sorted(
+    {
+      t.split("/")[1]
+      for t in scalars
+      if t.startswith("eval/") and (t.split("/")[1] in rows or re.fullmatch(r"particle_\d+", t.split("/")[1]))
+    },
+    key=lambda m: (not m.startswith("particle"), int(m.split("_")[1]) if m.startswith("particle_") else 0, m),
+  )
   present = {t.split("/")[2] for t in scalars if t.startswith("eval/") and t.split("/")[1] in models}
-  metrics = ([m for m in ("accuracy", "nll", "ece", "brier", "rmse") if m in present] or sorted(present)[:3]
-             or ["accuracy"])
+  metrics = (
+    [m for m in ("accuracy", "nll", "ece", "brier", "rmse") if m in present] or sorted(present)[:3] or ["accuracy"]
+  )
   fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4), squeeze=False)
   for ax, metric in zip(axes[0], metrics):
     vals = [scalars[f"eval/{m}/{metric}"][1][-1] if f"eval/{m}/{metric}" in scalars else np.nan for m in models]
@@ -176,8 +192,11 @@ def results_path(workdir: str) -> str | None:
   path = os.path.join(workdir, "eval_results.json")
   if os.path.exists(path):
     return path
-  steps = [(int(m.group(1)), name) for name in os.listdir(workdir)
-           if (m := re.fullmatch(r"eval_results\.step(\d+)\.json", name))]
+  steps = [
+    (int(m.group(1)), name)
+    for name in os.listdir(workdir)
+    if (m := re.fullmatch(r"eval_results\.step(\d+)\.json", name))
+  ]
   return os.path.join(workdir, max(steps)[1]) if steps else None
 
 
@@ -202,19 +221,41 @@ def plot_reliability(results, path, plt):
     rel = np.asarray(results[key]["reliability"])  # [bins, 3]: count, mean confidence, accuracy
     edges = np.linspace(0, 1, len(rel) + 1)
     filled = rel[:, 0] > 0
-    ax.bar(edges[:-1][filled], rel[filled, 2], width=1 / len(rel), align="edge", color="C0", edgecolor="k",
-           lw=0.5, label="accuracy")
-    ax.bar(edges[:-1][filled], rel[filled, 1] - rel[filled, 2], bottom=rel[filled, 2], width=1 / len(rel),
-           align="edge", color="C3", alpha=0.3, label="gap to confidence")
+    ax.bar(
+      edges[:-1][filled],
+      rel[filled, 2],
+      width=1 / len(rel),
+      align="edge",
+      color="C0",
+      edgecolor="k",
+      lw=0.5,
+      label="accuracy",
+    )
+    ax.bar(
+      edges[:-1][filled],
+      rel[filled, 1] - rel[filled, 2],
+      bottom=rel[filled, 2],
+      width=1 / len(rel),
+      align="edge",
+      color="C3",
+      alpha=0.3,
+      label="gap to confidence",
+    )
     ax.plot([0, 1], [0, 1], "k:", lw=0.8)
-    ax.set(xlabel="confidence", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1),
-           title=f"{ROW_NAMES[key]}: ECE {results[key]['ece']:.4f}")
+    ax.set(
+      xlabel="confidence",
+      ylabel="accuracy",
+      xlim=(0, 1),
+      ylim=(0, 1),
+      title=f"{ROW_NAMES[key]}: ECE {results[key]['ece']:.4f}",
+    )
     ax.legend(fontsize=7, loc="upper left")
   ax = axes[0][-1]
   coverage = np.arange(1, 101) / 100.0
   for key in rows:
-    ax.plot(coverage, results[key]["selective_accuracy"], label=f"{ROW_NAMES[key]} (area "
-            f"{results[key]['selective_auc']:.4f})")
+    ax.plot(
+      coverage, results[key]["selective_accuracy"], label=f"{ROW_NAMES[key]} (area {results[key]['selective_auc']:.4f})"
+    )
   ax.set(xlabel="coverage (most confident fraction kept)", ylabel="accuracy", title="Selective prediction")
   ax.legend(fontsize=7)
   fig.tight_layout()
@@ -227,6 +268,7 @@ def plot_shifts(results, path, plt):
   (ensemble: solid, fused model: dashed, the ensemble's ECE at the fitted temperature: dotted); sets without
   severities as points at 0."""
   from ipf_jax.data.shifts import family
+
   families = collections.defaultdict(dict)
   for name, r in results["shifts"].items():
     corruption, level = family(name)
@@ -241,32 +283,54 @@ def plot_shifts(results, path, plt):
     for ax, metric in zip(axes[0], shown):
       for key, style in (("ensemble", "-"), ("fused", "--")):
         if key in levels[xs[0]]:
-          ax.plot(xs, [levels[x][key][metric] for x in xs], style, marker="o", ms=3, color=f"C{i % 10}",
-                  label=corruption if key == "ensemble" else None)
+          ax.plot(
+            xs,
+            [levels[x][key][metric] for x in xs],
+            style,
+            marker="o",
+            ms=3,
+            color=f"C{i % 10}",
+            label=corruption if key == "ensemble" else None,
+          )
       if metric == "ece" and scaled:
-        ax.plot(xs, [levels[x]["temperature_scaled"]["ensemble"]["ece"] for x in xs], ":", marker="x", ms=3,
-                color=f"C{i % 10}")
+        ax.plot(
+          xs,
+          [levels[x]["temperature_scaled"]["ensemble"]["ece"] for x in xs],
+          ":",
+          marker="x",
+          ms=3,
+          color=f"C{i % 10}",
+        )
   for ax, metric in zip(axes[0], shown):
     ax.set(xlabel="severity (0: a set without severities)", ylabel=metric, title=f"{metric} under shift")
   axes[0][0].legend(fontsize=7)
-  fig.suptitle("solid: ensemble, dashed: fused model"
-               + (", dotted: the ensemble at the temperature fitted on held-out data" if scaled else ""), fontsize=9)
+  fig.suptitle(
+    "solid: ensemble, dashed: fused model"
+    + (", dotted: the ensemble at the temperature fitted on held-out data" if scaled else ""),
+    fontsize=9,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
 # The pictures: from the TensorBoard scalars, always; from the results file, when it has what each needs.
-SCALAR_PICTURES = (("training_curves.png", plot_training_curves), ("weights.png", plot_weights),
-                   ("genealogy.png", plot_genealogy), ("eval.png", plot_eval))
+SCALAR_PICTURES = (
+  ("training_curves.png", plot_training_curves),
+  ("weights.png", plot_weights),
+  ("genealogy.png", plot_genealogy),
+  ("eval.png", plot_eval),
+)
 RESULT_PICTURES = (("calibration.png", plot_reliability, "ensemble"), ("shifts.png", plot_shifts, "shifts"))
 PICTURES = tuple(p[0] for p in SCALAR_PICTURES + RESULT_PICTURES)
 
 
 def write_report(workdir: str, out: str | None = None) -> list[str]:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   scalars = read_scalars(workdir)  # before creating anything: a wrong path creates nothing
   out = out or os.path.join(workdir, "report")
   os.makedirs(out, exist_ok=True)
@@ -294,8 +358,10 @@ def main(argv=None):
   except FileNotFoundError as e:
     raise SystemExit(f"error: {e}") from None
   except OSError as e:
-    raise SystemExit(f"error: cannot write the pictures to {args.out or os.path.join(args.workdir, 'report')} "
-                     f"({e.strerror or e}); choose another --out") from None
+    raise SystemExit(
+      f"error: cannot write the pictures to {args.out or os.path.join(args.workdir, 'report')} "
+      f"({e.strerror or e}); choose another --out"
+    ) from None
   for p in paths:
     print(p)
   out = os.path.dirname(paths[0])

@@ -9,6 +9,7 @@ Scalar tags (read back by ``ipf_jax.reporting.report``):
   eval/<model>/<metric> (classification: accuracy, nll, ece; Gaussian regression: nll, rmse, ...) with
   model = ensemble, ensemble_uniform, fused, fused_bn (when fused_bn_batches > 0), particle_<i>.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,22 +38,31 @@ class SummaryWriter:
     self._writer = None
     self._flush_secs, self._last_flush = flush_secs, time.monotonic()
     if jax.process_index() == 0:
-      self._guard(lambda: setattr(self, "_writer", EventsWriter(os.path.join(workdir, "events"),
-                                                                      filename_suffix=f".{os.getpid()}")), workdir)
+      self._guard(
+        lambda: setattr(
+          self, "_writer", EventsWriter(os.path.join(workdir, "events"), filename_suffix=f".{os.getpid()}")
+        ),
+        workdir,
+      )
 
   def _guard(self, fn, where: str = "") -> None:
     try:
       fn()
     except OSError as e:
       self._writer = None
-      print(f"warning: cannot write TensorBoard events{' in ' + where if where else ''} "
-            f"({e.strerror or e}); training goes on without them", file=sys.stderr, flush=True)
+      print(
+        f"warning: cannot write TensorBoard events{' in ' + where if where else ''} "
+        f"({e.strerror or e}); training goes on without them",
+        file=sys.stderr,
+        flush=True,
+      )
 
   def scalars(self, step: int, values: dict) -> None:
     if self._writer is None:
       return
-    summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()
-                             if np.isfinite(float(v))])
+    summary = Summary(
+      value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items() if np.isfinite(float(v))]
+    )
     event = Event(summary=summary, step=int(step), wall_time=time.time())
     self._guard(lambda: self._writer.write_event(event))
     if self._writer is not None and time.monotonic() - self._last_flush > self._flush_secs:
@@ -64,10 +74,15 @@ class SummaryWriter:
       return
     w = np.exp(m["log_weights"])
     alive = m["alive"] > 0
-    values = {"train/loss": metrics_lib.weighted_train_loss(m), "train/lr": m.get("lr", np.nan),
-              "train/ess": m["ess"], "train/max_weight": w.max(), "train/num_alive": m["num_alive"],
-              "train/grad_norm": np.mean(m["grad_norm"][alive]) if alive.any() else np.nan,
-              "resample/event": float(m["resampled"])}
+    values = {
+      "train/loss": metrics_lib.weighted_train_loss(m),
+      "train/lr": m.get("lr", np.nan),
+      "train/ess": m["ess"],
+      "train/max_weight": w.max(),
+      "train/num_alive": m["num_alive"],
+      "train/grad_norm": np.mean(m["grad_norm"][alive]) if alive.any() else np.nan,
+      "resample/event": float(m["resampled"]),
+    }
     if "loss_scale" in m:
       values.update({"train/loss_scale": m["loss_scale"], "train/overflow": float(m["overflow"])})
     if "temperature" in m:

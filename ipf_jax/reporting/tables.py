@@ -1,4 +1,5 @@
 """The final evaluation as text: the table of particles, ensembles and fused model, and the lines under it."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,44 +13,50 @@ def format_extras(results: dict, columns: tuple) -> str:
   lines = []
   if "diversity" in results and len(results["weights"]) > 1:
     d = results["diversity"]
-    lines.append(f"diversity of the population: disagreement {d['disagreement']:.4f}, "
-                 f"pairwise KL {d['pairwise_kl']:.4f}")
+    lines.append(
+      f"diversity of the population: disagreement {d['disagreement']:.4f}, pairwise KL {d['pairwise_kl']:.4f}"
+    )
   for key, t in results.get("temperature_scaled", {}).items():
     r = results[key]
     edge = " (the grid's edge: the best T may lie beyond)" if t["at_grid_edge"] else ""
-    lines.append(f"temperature scaling, {dict((k, n) for n, k in ROWS)[key]}: T = {t['temperature']:.3g}{edge}; NLL "
-                 f"{r['nll']:.4f} -> {t['nll']:.4f}, ECE {r['ece']:.4f} -> {t['ece']:.4f}, Brier "
-                 f"{r['brier']:.4f} -> {t['brier']:.4f}")
+    lines.append(
+      f"temperature scaling, {dict((k, n) for n, k in ROWS)[key]}: T = {t['temperature']:.3g}{edge}; NLL "
+      f"{r['nll']:.4f} -> {t['nll']:.4f}, ECE {r['ece']:.4f} -> {t['ece']:.4f}, Brier "
+      f"{r['brier']:.4f} -> {t['brier']:.4f}"
+    )
   shifts = results.get("shifts", {})
   if shifts:
     from ipf_jax.data.shifts import family
+
     families = {}
     for name, r in shifts.items():
       families.setdefault(family(name)[0], []).append(r)
     present = next(iter(shifts.values())).get("ensemble", {})
     shown = [c for c in columns if c[1] in ("accuracy", "ece") and c[1] in present] or [
-        c for c in columns if c[1] in present][:2]
+      c for c in columns if c[1] in present
+    ][:2]
     rows_shown = [key for key in ("ensemble", "fused") if key in next(iter(shifts.values()))]
     scaled = next(iter(shifts.values())).get("temperature_scaled", {})
     cells = []  # (heading, value of one set's results, format)
     for key in rows_shown:
-      cells += [(f"{key} {title}", lambda r, key=key, metric=metric: r[key][metric], fmt)
-                for title, metric, fmt in shown]
+      cells += [
+        (f"{key} {title}", lambda r, key=key, metric=metric: r[key][metric], fmt) for title, metric, fmt in shown
+      ]
       if key in scaled:
         cells.append((f"{key} ECE at T", lambda r, key=key: r["temperature_scaled"][key]["ece"], "{:.4f}"))
     rows = [("shift (mean over severities)",) + tuple(heading for heading, _, _ in cells)]
     for name, rs in families.items():
       rows.append((name,) + tuple(fmt.format(np.mean([get(r) for r in rs])) for _, get, fmt in cells))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-              for r in rows]
-  ood = results.get("ood_sets") or ({results.get("ood_dataset", "OOD set"): results["ood"]} if "ood" in results
-                                    else {})
+    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+  ood = results.get("ood_sets") or ({results.get("ood_dataset", "OOD set"): results["ood"]} if "ood" in results else {})
   for name, by_row in ood.items():
     for key, a in by_row.items():
       if key != "particles":
-        lines.append(f"OOD AUROC ({name}), {dict((k, n) for n, k in ROWS)[key]}: "
-                     f"max prob {a['auroc_max_prob']:.4f}, entropy {a['auroc_entropy']:.4f}")
+        lines.append(
+          f"OOD AUROC ({name}), {dict((k, n) for n, k in ROWS)[key]}: "
+          f"max prob {a['auroc_max_prob']:.4f}, entropy {a['auroc_entropy']:.4f}"
+        )
   return "\n".join(lines)
 
 

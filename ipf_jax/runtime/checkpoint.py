@@ -24,6 +24,7 @@ Restoring tells three cases apart and never guesses:
 - anything else (out of memory, a lost peer, a file of the right size whose bytes changed): an error
   naming the checkpoint; nothing is moved.
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,8 +56,13 @@ class SaveError(CheckpointError):
 
 
 # What a failed write says, in the words of the operating system (TensorStore wraps them in long messages).
-_OS_ERRORS = ("File too large", "Disk quota exceeded", "Read-only file system", "Permission denied",
-              "Input/output error")
+_OS_ERRORS = (
+  "File too large",
+  "Disk quota exceeded",
+  "Read-only file system",
+  "Permission denied",
+  "Input/output error",
+)
 
 
 def _save_cause(error: BaseException) -> str:
@@ -134,8 +140,15 @@ class Checkpointer:
   ``read_only`` (``--eval_only``): creates nothing, moves nothing, skips what it cannot read.
   """
 
-  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, read_only: bool = False,
-               data_name: Optional[str] = None, optimizer: Optional[dict] = None):
+  def __init__(
+    self,
+    workdir: str,
+    keep: int = 3,
+    async_save: bool = True,
+    read_only: bool = False,
+    data_name: Optional[str] = None,
+    optimizer: Optional[dict] = None,
+  ):
     self.directory = epath.Path(workdir).absolute() / "checkpoints"
     self.keep, self.async_save, self.read_only, self.data_name = keep, async_save, read_only, data_name
     self.optimizer = optimizer  # optim.optimizer_record of this run: saved, and compared on restore
@@ -162,8 +175,7 @@ class Checkpointer:
   def _ensure_manager(self) -> ocp.CheckpointManager:
     if self._manager is None:
       # max_to_keep is ours (_collect): orbax's garbage collection deletes old steps even when the new save failed.
-      options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=self.async_save,
-                                             create=True)
+      options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=self.async_save, create=True)
       self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
     return self._manager
 
@@ -176,13 +188,20 @@ class Checkpointer:
     if step in self.steps():
       return  # already saved (e.g. a stop right after a periodic save)
     self._check_space(step, state)
-    meta = {"step": int(step), "config": json.loads(config.to_json()), "num_devices": jax.device_count(),
-            "num_processes": jax.process_count(), "data": self.data_name, "optimizer": self.optimizer}
+    meta = {
+      "step": int(step),
+      "config": json.loads(config.to_json()),
+      "num_devices": jax.device_count(),
+      "num_processes": jax.process_count(),
+      "data": self.data_name,
+      "optimizer": self.optimizer,
+    }
     self._pending = step
     quiet.arm()  # until it is committed (wait)
     try:
-      manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                   force=True)
+      manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+      )
     except Exception as e:  # noqa: BLE001
       raise self._save_error(step, e) from None
     if not self.async_save:
@@ -239,8 +258,12 @@ class Checkpointer:
         json.dump(files, f)
       os.replace(tmp, os.path.join(path, FILE_LIST))
     except OSError as e:
-      log.warning("checkpoint %s is complete, but its file list could not be written (%s): a damaged file in it "
-                  "would stop a resume instead of being set aside", path, e.strerror or e)
+      log.warning(
+        "checkpoint %s is complete, but its file list could not be written (%s): a damaged file in it "
+        "would stop a resume instead of being set aside",
+        path,
+        e.strerror or e,
+      )
       try:
         os.remove(tmp)
       except OSError:
@@ -249,7 +272,7 @@ class Checkpointer:
   def _collect(self) -> None:
     """Deletes the oldest complete checkpoints beyond ``keep`` (only after the newest is committed)."""
     self._manager.reload()
-    for step in self.steps()[:-self.keep]:
+    for step in self.steps()[: -self.keep]:
       self._manager.delete(step)
 
   def _save_error(self, step: Optional[int], error: BaseException) -> SaveError:
@@ -257,9 +280,11 @@ class Checkpointer:
     cause = _save_cause(error)
     kept = [s for s in self.steps() if s != step]
     newest = f"the newest complete checkpoint is step {kept[-1]} (kept)" if kept else "no complete checkpoint exists"
-    return SaveError(f"saving checkpoint {step} to {self.directory} failed: {cause}; "
-                     f"{workdir_lib.free_space(str(self.directory))} there. {newest[0].upper() + newest[1:]}. "
-                     "Free some space (or fix the directory), then rerun the same command to resume.")
+    return SaveError(
+      f"saving checkpoint {step} to {self.directory} failed: {cause}; "
+      f"{workdir_lib.free_space(str(self.directory))} there. {newest[0].upper() + newest[1:]}. "
+      "Free some space (or fix the directory), then rerun the same command to resume."
+    )
 
   def close(self) -> None:
     """Waits for the save in flight (raising ``SaveError`` if it failed) and releases orbax's threads."""
@@ -307,8 +332,12 @@ class Checkpointer:
       return None, "its metadata (state/_METADATA or meta/metadata) is missing or unreadable"
     return meta, signature(tree)
 
-  def restore_latest(self, abstract_state, config: ml_collections.ConfigDict,
-                     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None):
+  def restore_latest(
+    self,
+    abstract_state,
+    config: ml_collections.ConfigDict,
+    shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
+  ):
     """The newest usable checkpoint as ``(state, meta)``, resharded onto ``abstract_state``'s shardings;
     ``None`` when the workdir has no checkpoint at all.
 
@@ -321,9 +350,10 @@ class Checkpointer:
       aside = self.set_aside()
       if aside:
         raise CheckpointError(
-            f"{self.directory} holds no checkpoint that can be used, only ones set aside earlier as unreadable "
-            f"({', '.join(aside)}). Nothing was changed. To start a new run, use a new --workdir (or move "
-            f"{self.directory} away).")
+          f"{self.directory} holds no checkpoint that can be used, only ones set aside earlier as unreadable "
+          f"({', '.join(aside)}). Nothing was changed. To start a new run, use a new --workdir (or move "
+          f"{self.directory} away)."
+        )
       return None
     current = signature(abstract_state)
     damaged = []
@@ -332,8 +362,18 @@ class Checkpointer:
       state, (meta, saved_or_why) = None, self._read(step)
       why = None if meta is not None else saved_or_why
       if why is None:
-        check_compatible(saved_or_why, meta["config"], current, config, where, shapes_for, meta.get("data"),
-                         self.data_name, meta.get("optimizer"), self.optimizer)
+        check_compatible(
+          saved_or_why,
+          meta["config"],
+          current,
+          config,
+          where,
+          shapes_for,
+          meta.get("data"),
+          self.data_name,
+          meta.get("optimizer"),
+          self.optimizer,
+        )
         state, why = self._restore(step, abstract_state)
       if not _everywhere(why is None):
         damaged.append((step, why or "another process could not read its part of it"))
@@ -346,13 +386,17 @@ class Checkpointer:
       return state, meta
     listing = "; ".join(f"{step}: {why}" for step, why in damaged)
     raise CheckpointError(
-        f"no checkpoint in {self.directory} can be read ({listing}). Nothing was changed and training did not start "
-        "over. If the files can be recovered, restore them and run again; to start a new run instead, use a new "
-        f"--workdir (or move {self.directory} away).")
+      f"no checkpoint in {self.directory} can be read ({listing}). Nothing was changed and training did not start "
+      "over. If the files can be recovered, restore them and run again; to start a new run instead, use a new "
+      f"--workdir (or move {self.directory} away)."
+    )
 
-  def check_latest(self, abstract_state, config: ml_collections.ConfigDict,
-                   shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None
-                   ) -> Optional[tuple[int, dict]]:
+  def check_latest(
+    self,
+    abstract_state,
+    config: ml_collections.ConfigDict,
+    shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
+  ) -> Optional[tuple[int, dict]]:
     """``--dry_run``: the step ``restore_latest`` would resume from and its saved config, after the same
     compatibility check, from the checkpoints' metadata only (nothing restored, moved or written);
     ``None``: no checkpoint."""
@@ -360,12 +404,23 @@ class Checkpointer:
     for step in reversed(self.steps()):
       meta, saved_or_why = self._read(step)
       if meta is not None:
-        check_compatible(saved_or_why, meta["config"], current, config, str(self.directory / str(step)), shapes_for,
-                         meta.get("data"), self.data_name, meta.get("optimizer"), self.optimizer)
+        check_compatible(
+          saved_or_why,
+          meta["config"],
+          current,
+          config,
+          str(self.directory / str(step)),
+          shapes_for,
+          meta.get("data"),
+          self.data_name,
+          meta.get("optimizer"),
+          self.optimizer,
+        )
         return step, meta["config"]
     if self.steps() or self.set_aside():
-      raise CheckpointError(f"no checkpoint in {self.directory} can be read: a run would stop here. Nothing was "
-                            "changed.")
+      raise CheckpointError(
+        f"no checkpoint in {self.directory} can be read: a run would stop here. Nothing was changed."
+      )
     return None
 
   def _restore(self, step: int, abstract_state):
@@ -396,8 +451,12 @@ class Checkpointer:
       n += 1
     if jax.process_index() == 0:
       os.rename(path, aside)
-    log.error("moved the unreadable checkpoint %s to %s (kept, never deleted): training writes step %d again",
-              path, aside.name, step)
+    log.error(
+      "moved the unreadable checkpoint %s to %s (kept, never deleted): training writes step %d again",
+      path,
+      aside.name,
+      step,
+    )
     _sync(f"ipf_jax_set_aside_{step}")
 
 
@@ -406,11 +465,12 @@ def _everywhere(ok: bool) -> bool:
   if jax.process_count() == 1:
     return ok
   from jax.experimental import multihost_utils
+
   return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
 def _sync(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
 
+    multihost_utils.sync_global_devices(name)

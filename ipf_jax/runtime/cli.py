@@ -10,6 +10,7 @@ preemption notice (in a multi-process run, any signal: every process stops at
 the step JAX's preemption sync point names). After 75, 130 and 143 a checkpoint is saved: rerun the same
 command to resume.
 """
+
 import difflib
 import logging
 import os
@@ -30,26 +31,55 @@ FLAGS = flags.FLAGS
 def define_flags(flag_values: flags.FlagValues, argv=None) -> None:
   """The command's flags on ``flag_values`` (``FLAGS``; tests parse README commands on fresh ones)."""
   f = dict(flag_values=flag_values)
-  flags.DEFINE_string("workdir", "runs/digits", "Directory for checkpoints, logs, config and results; "
-                      "an existing one is resumed.", **f)
-  flags.DEFINE_bool("eval_only", False, "Evaluate the newest checkpoint in --workdir and print the table; no "
-                    "training. Writes eval_results.step<N>.json beside the run's results and changes nothing else.",
-                    **f)
-  flags.DEFINE_bool("dry_run", False, "Check the config, devices, data and --workdir as a run would, print what it "
-                    "would do (train, resume at step N, only evaluate) and exit: nothing is compiled or written.", **f)
-  flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (jax.distributed). Without "
-                      "it, jax.distributed.initialize() detects SLURM, Open MPI, Cloud TPU pods, GKE, ... by itself.",
-                      **f)
+  flags.DEFINE_string(
+    "workdir", "runs/digits", "Directory for checkpoints, logs, config and results; an existing one is resumed.", **f
+  )
+  flags.DEFINE_bool(
+    "eval_only",
+    False,
+    "Evaluate the newest checkpoint in --workdir and print the table; no "
+    "training. Writes eval_results.step<N>.json beside the run's results and changes nothing else.",
+    **f,
+  )
+  flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Check the config, devices, data and --workdir as a run would, print what it "
+    "would do (train, resume at step N, only evaluate) and exit: nothing is compiled or written.",
+    **f,
+  )
+  flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "Multi-host: HOST:PORT of process 0 (jax.distributed). Without "
+    "it, jax.distributed.initialize() detects SLURM, Open MPI, Cloud TPU pods, GKE, ... by itself.",
+    **f,
+  )
   flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (with --coordinator_address).", **f)
   flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (with --coordinator_address).", **f)
-  flags.DEFINE_integer("startup_timeout", 300, "Multi-host: seconds to wait for every process to connect before "
-                       "stopping with an error naming the coordinator.", **f)
-  flags.DEFINE_integer("peer_timeout", 60, "Multi-host: a process that has not answered for this many seconds is "
-                       "lost; the others stop with an error naming it.", **f)
+  flags.DEFINE_integer(
+    "startup_timeout",
+    300,
+    "Multi-host: seconds to wait for every process to connect before stopping with an error naming the coordinator.",
+    **f,
+  )
+  flags.DEFINE_integer(
+    "peer_timeout",
+    60,
+    "Multi-host: a process that has not answered for this many seconds is "
+    "lost; the others stop with an error naming it.",
+    **f,
+  )
   # ml_collections already applies the --config.FIELD overrides of sys.argv to the default file here.
   try:
-    config_flags.DEFINE_config_file("config", default_config_path(), "Training configuration file (a checkout's "
-                                    "configs/*.py, or your own).", lock_config=True, sys_argv=argv, **f)
+    config_flags.DEFINE_config_file(
+      "config",
+      default_config_path(),
+      "Training configuration file (a checkout's configs/*.py, or your own).",
+      lock_config=True,
+      sys_argv=argv,
+      **f,
+    )
   except Exception as e:  # noqa: BLE001
     _config_error(e, argv or sys.argv)
 
@@ -59,13 +89,11 @@ def apply_mode(config, argv) -> None:
   command line sets ``num_particles`` too (then the config check decides)."""
   given = {_field(a) for a in argv[1:] if a.startswith("--config.")}
   if config.mode == "ddp" and "mode" in given and "num_particles" not in given and config.num_particles != 1:
-    print(f"mode=ddp trains one model: num_particles=1 (the config's {config.num_particles} is for ensemble and "
-          "ipf)")
+    print(f"mode=ddp trains one model: num_particles=1 (the config's {config.num_particles} is for ensemble and ipf)")
     config.num_particles = 1
 
 
-ERRORS = (validation.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, workdir.WorkdirError,
-          DataError)
+ERRORS = (validation.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, workdir.WorkdirError, DataError)
 
 
 def _usage_error(message: str) -> None:
@@ -76,11 +104,13 @@ def _usage_error(message: str) -> None:
 def _config_error(error: Exception, argv) -> None:
   """One line for an unknown field or malformed value in a ``--config...`` argument; exit code 2."""
   overrides = [a for a in argv[1:] if a.startswith("--config")]
-  culprit = next((a for a in overrides if a.startswith("--config.")
-                  and re.search(rf"\b{re.escape(_field(a))}\b", str(error))), None)
+  culprit = next(
+    (a for a in overrides if a.startswith("--config.") and re.search(rf"\b{re.escape(_field(a))}\b", str(error))), None
+  )
   if culprit is None:
     _usage_error(f"{' '.join(overrides) or 'the command line'}: {' '.join(str(error).split())[:300]}")
   from ipf_jax.config import defaults
+
   known = list(defaults.get_config().keys())
   if _field(culprit) in known:
     _usage_error(f"{culprit}: {' '.join(str(error).split())[:300]}")
@@ -90,13 +120,14 @@ def _config_error(error: Exception, argv) -> None:
 
 
 def _field(arg: str) -> str:
-  return arg[len("--config."):].split("=")[0].split(".")[0]
+  return arg[len("--config.") :].split("=")[0].split(".")[0]
 
 
 def default_config_path() -> str:
   """This package's ``configs/digits.py``: the checkout's beside ``ipf_jax/`` (``python train.py``), else
   the copy installed with the package as ``ipf_jax.configs`` (``ipf-train``); never another directory's."""
   import importlib.util
+
   package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ipf_jax/, above runtime/
   checkout = os.path.join(os.path.dirname(package), "configs", "digits.py")
   if os.path.isfile(checkout):
@@ -130,8 +161,13 @@ def main(argv):
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
   validation.setup_devices(FLAGS.config)  # before jax.distributed starts the backend
-  watch = cluster.start(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                        startup_timeout=FLAGS.startup_timeout, peer_timeout=FLAGS.peer_timeout)
+  watch = cluster.start(
+    FLAGS.coordinator_address,
+    FLAGS.num_processes,
+    FLAGS.process_id,
+    startup_timeout=FLAGS.startup_timeout,
+    peer_timeout=FLAGS.peer_timeout,
+  )
   error = None
   try:
     if FLAGS.dry_run:

@@ -15,6 +15,7 @@ one line naming the coordinator and what is missing:
 JAX's own heartbeat timeout is set above ``peer_timeout`` so that this line
 comes first. Exit code: ``preemption.EXIT_PEER`` (69).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,9 +44,13 @@ def _die(message: str) -> None:
   os._exit(EXIT_PEER)
 
 
-def start(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-          process_id: Optional[int] = None, startup_timeout: int = 300,
-          peer_timeout: int = 60) -> Optional["PeerWatch"]:
+def start(
+  coordinator_address: Optional[str] = None,
+  num_processes: Optional[int] = None,
+  process_id: Optional[int] = None,
+  startup_timeout: int = 300,
+  peer_timeout: int = 60,
+) -> Optional["PeerWatch"]:
   """Starts ``jax.distributed`` for a multi-process run; returns its ``PeerWatch``, or ``None`` for one process.
 
   Without ``coordinator_address`` the launcher is detected by
@@ -55,19 +60,31 @@ def start(coordinator_address: Optional[str] = None, num_processes: Optional[int
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   where = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or "the detected coordinator"
   if coordinator_address:
-    print(f"joining {num_processes} processes as process {process_id} through the coordinator at "
-          f"{coordinator_address} (waiting up to {startup_timeout} s: --startup_timeout)", flush=True)
-  timer = threading.Timer(startup_timeout, _die, args=(
+    print(
+      f"joining {num_processes} processes as process {process_id} through the coordinator at "
+      f"{coordinator_address} (waiting up to {startup_timeout} s: --startup_timeout)",
+      flush=True,
+    )
+  timer = threading.Timer(
+    startup_timeout,
+    _die,
+    args=(
       f"not every process of the run connected to the coordinator at {where} within {startup_timeout} s "
       "(--startup_timeout). Start every process with the same --coordinator_address and --num_processes and "
       "its own --process_id (process 0 hosts the coordinator), check that the address is reachable from "
-      "each host, then run again.",))
+      "each host, then run again.",
+    ),
+  )
   timer.daemon = True
   timer.start()
   try:
-    jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                               initialization_timeout=startup_timeout + 60,
-                               heartbeat_timeout_seconds=peer_timeout + 60)
+    jax.distributed.initialize(
+      coordinator_address,
+      num_processes,
+      process_id,
+      initialization_timeout=startup_timeout + 60,
+      heartbeat_timeout_seconds=peer_timeout + 60,
+    )
   except ValueError as e:
     if coordinator_address is None and str(e) == "coordinator_address should be defined.":
       return None  # no launcher detected: one process
@@ -77,8 +94,14 @@ def start(coordinator_address: Optional[str] = None, num_processes: Optional[int
   if jax.process_count() == 1:
     return None
   from jax._src import distributed  # the coordination service's key-value store (no public API)
-  watch = PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count(), peer_timeout,
-                    distributed.global_state.coordinator_address or where)
+
+  watch = PeerWatch(
+    distributed.global_state.client,
+    jax.process_index(),
+    jax.process_count(),
+    peer_timeout,
+    distributed.global_state.coordinator_address or where,
+  )
   watch.start()
   return watch
 
@@ -121,9 +144,11 @@ class PeerWatch:
       except Exception as e:  # noqa: BLE001
         if self._stop.is_set():
           return
-        _die(f"lost the coordinator at {self.address} (process 0): {str(e).splitlines()[0][:200]}. This process "
-             f"({self.me} of {self.n}) stops; the newest checkpoint is kept. Rerun every process with the same "
-             "command to resume.")
+        _die(
+          f"lost the coordinator at {self.address} (process 0): {str(e).splitlines()[0][:200]}. This process "
+          f"({self.me} of {self.n}) stops; the newest checkpoint is kept. Rerun every process with the same "
+          "command to resume."
+        )
       now = time.monotonic()
       for pid in range(self.n):
         if pid == self.me:
@@ -132,14 +157,18 @@ class PeerWatch:
         if value == _DONE:
           continue
         if value is not None and value.startswith(_FAILED):
-          _die(f"process {pid} of {self.n} ({self._host(pid)}) stopped with an error: {value[len(_FAILED):]}. "
-               f"This process ({self.me}) stops too; fix the cause, then rerun every process.")
+          _die(
+            f"process {pid} of {self.n} ({self._host(pid)}) stopped with an error: {value[len(_FAILED) :]}. "
+            f"This process ({self.me}) stops too; fix the cause, then rerun every process."
+          )
         if value != last_value.get(pid):
           last_value[pid], last_change[pid] = value, now
         if now - last_change.get(pid, started) > self.timeout:
-          _die(f"process {pid} of {self.n} ({self._host(pid)}) has not answered for {self.timeout:g} s "
-               f"(--peer_timeout; coordinator {self.address}): it died or hangs. This process ({self.me}) stops; "
-               "the newest checkpoint is kept. Rerun every process with the same command to resume.")
+          _die(
+            f"process {pid} of {self.n} ({self._host(pid)}) has not answered for {self.timeout:g} s "
+            f"(--peer_timeout; coordinator {self.address}): it died or hangs. This process ({self.me}) stops; "
+            "the newest checkpoint is kept. Rerun every process with the same command to resume."
+          )
 
   def fail(self, error: BaseException) -> None:
     """Ends this process after an error nobody caught: one line, the peers told, no waiting at exit.
@@ -150,13 +179,18 @@ class PeerWatch:
     peer = any(m in text for m in ("Gloo", "gloo", "Connection", "connection", "UNAVAILABLE", "DEADLINE_EXCEEDED"))
     self.finish(f"{type(error).__name__}: {text}")
     if peer:
-      _die(f"a collective with the other processes failed ({text}): a peer process died or lost its connection "
-           f"(coordinator {self.address}). This process ({self.me} of {self.n}) stops; the newest checkpoint is kept. "
-           "Rerun every process with the same command to resume.")
+      _die(
+        f"a collective with the other processes failed ({text}): a peer process died or lost its connection "
+        f"(coordinator {self.address}). This process ({self.me} of {self.n}) stops; the newest checkpoint is kept. "
+        "Rerun every process with the same command to resume."
+      )
     import traceback
+
     traceback.print_exception(error, file=sys.stderr)
-    _die(f"process {self.me} of {self.n} stopped on an unexpected {type(error).__name__} (traceback above); the "
-         "other processes are told to stop.")
+    _die(
+      f"process {self.me} of {self.n} stopped on an unexpected {type(error).__name__} (traceback above); the "
+      "other processes are told to stop."
+    )
 
   def finish(self, error: Optional[str] = None) -> None:
     """Stops watching and tells the peers this process ended: cleanly, or with ``error``."""

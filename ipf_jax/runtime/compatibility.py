@@ -1,6 +1,7 @@
 """Does a checkpoint fit this run: the state's signature (tree, shapes, dtypes), the config fields that decide
 it, the fields that changed since it was written (DESIGN.md "Durability"). Used by ``checkpoint`` before
 anything is restored, and by ``trainer`` for its warnings and ``--dry_run`` plan."""
+
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ def signature(tree) -> Signature:
 def _describe(path: str, saved: Signature, current: Signature) -> str:
   def fmt(entry):
     return f"{entry[0]} {entry[1]}" if entry else "absent"
+
   return f"{path} is {fmt(saved.get(path))} there and {fmt(current.get(path))} here"
 
 
@@ -44,10 +46,27 @@ def _flat_config(config) -> dict:
 # Fields that say how a run is run (logging, saving, devices, what the evaluation adds), not what it trains:
 # a resume may change them without a word. Another mesh or loop changes results only by float rounding (the
 # resume line says on how many devices the checkpoint was written). Any other difference is listed.
-HOW_FIELDS = frozenset({"log_every_steps", "eval_every_steps", "checkpoint_every_steps", "checkpoint_every_minutes",
-                        "time_limit_minutes", "keep_checkpoints", "async_checkpointing", "data_dir",
-                        "eval_batch_size", "eval_shifts", "shift_examples", "ood_dataset", "fused_bn_batches",
-                        "particle_loop", "num_devices", "particle_axis_size", "num_cpu_devices"})
+HOW_FIELDS = frozenset(
+  {
+    "log_every_steps",
+    "eval_every_steps",
+    "checkpoint_every_steps",
+    "checkpoint_every_minutes",
+    "time_limit_minutes",
+    "keep_checkpoints",
+    "async_checkpointing",
+    "data_dir",
+    "eval_batch_size",
+    "eval_shifts",
+    "shift_examples",
+    "ood_dataset",
+    "fused_bn_batches",
+    "particle_loop",
+    "num_devices",
+    "particle_axis_size",
+    "num_cpu_devices",
+  }
+)
 
 
 # Config fields a dataset's name records (``ArrayDataset.holdout`` adds "(0.1 held out)"): when a checkpoint's
@@ -66,12 +85,14 @@ def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> lis
   """``"field: saved -> now"`` for every field outside ``HOW_FIELDS`` whose value differs from the saved
   config's (a field one of them lacks: ``absent``)."""
   saved, current = _flat_config(saved_config), _flat_config(config)
-  return [f"{k}: {a} -> {b}" for k, a, b in _differences(saved, current, sorted((set(saved) | set(current))
-                                                                                 - HOW_FIELDS))]
+  return [
+    f"{k}: {a} -> {b}" for k, a, b in _differences(saved, current, sorted((set(saved) | set(current)) - HOW_FIELDS))
+  ]
 
 
-def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
-                    shapes_for: Callable[[ml_collections.ConfigDict], Signature]) -> list[str]:
+def decisive_fields(
+  saved_config: dict, config: ml_collections.ConfigDict, shapes_for: Callable[[ml_collections.ConfigDict], Signature]
+) -> list[str]:
   """Config fields whose saved value, put back alone into ``config``, changes the state's shapes."""
   saved, current = _flat_config(saved_config), _flat_config(config)
   base = shapes_for(config)
@@ -90,33 +111,46 @@ def decisive_fields(saved_config: dict, config: ml_collections.ConfigDict,
   return fields
 
 
-def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Signature,
-                     config: ml_collections.ConfigDict, where: str,
-                     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
-                     saved_data: Optional[str] = None, data: Optional[str] = None,
-                     saved_optimizer: Optional[dict] = None, optimizer: Optional[dict] = None) -> None:
+def check_compatible(
+  saved_sig: Signature,
+  saved_config: dict,
+  current_sig: Signature,
+  config: ml_collections.ConfigDict,
+  where: str,
+  shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
+  saved_data: Optional[str] = None,
+  data: Optional[str] = None,
+  saved_optimizer: Optional[dict] = None,
+  optimizer: Optional[dict] = None,
+) -> None:
   """Raises ``CheckpointError`` when the saved state cannot be restored into this run's state, or was
   trained on other data (``saved_data`` / ``data``: the datasets' names; shapes may agree).
   ``saved_optimizer`` / ``optimizer``: ``optim.optimizer_record`` of the checkpoint's and this run's
   optimizers (older checkpoints have none), named when only the optimizer state differs."""
   saved_flat, current_flat = _flat_config(saved_config), _flat_config(config)
   if saved_data and data and saved_data != data:
-    fields = [f"config.{k} is {a} there and {b} here" for k, a, b in _differences(saved_flat, current_flat,
-                                                                                  DATA_FIELDS)]
+    fields = [
+      f"config.{k} is {a} there and {b} here" for k, a, b in _differences(saved_flat, current_flat, DATA_FIELDS)
+    ]
     raise CheckpointError(
-        f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} ("
-        + ("; ".join(fields) if fields else "config.dataset, or the data you pass") + "). Run with the "
-        "checkpoint's values (its config.json), or use a new --workdir to start a fresh run. Nothing was changed.")
+      f"the checkpoint in {where} was trained on {saved_data!r}, this run reads {data!r} ("
+      + ("; ".join(fields) if fields else "config.dataset, or the data you pass")
+      + "). Run with the "
+      "checkpoint's values (its config.json), or use a new --workdir to start a fresh run. Nothing was changed."
+    )
   if saved_sig == current_sig:
     return
-  differing = sorted((p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),
-                     key=lambda p: (not p.startswith("params/"), p))  # a parameter says it best
+  differing = sorted(
+    (p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),
+    key=lambda p: (not p.startswith("params/"), p),
+  )  # a parameter says it best
   what = _describe(differing[0], saved_sig, current_sig)
   if len(differing) > 1:
     what += f" ({len(differing) - 1} more difference{'s' if len(differing) > 2 else ''})"
   fields = decisive_fields(saved_config, config, shapes_for) if shapes_for else []
-  optimizer_note = _optimizer_cause(saved_optimizer, optimizer, saved_flat,
-                                    all(p.split("/")[0] in OPTIMIZER_LEAVES for p in differing))
+  optimizer_note = _optimizer_cause(
+    saved_optimizer, optimizer, saved_flat, all(p.split("/")[0] in OPTIMIZER_LEAVES for p in differing)
+  )
   if fields:
     was = ", ".join(f"config.{f}={saved_flat[f]!r}" for f in fields)
     now = ", ".join(f"config.{f}={current_flat[f]!r}" for f in fields)
@@ -124,13 +158,19 @@ def check_compatible(saved_sig: Signature, saved_config: dict, current_sig: Sign
     also = f" {optimizer_note}" if optimizer_note else ""
     cause = f"It was written with {was}; this run has {now}.{also} Resume with {flags}, or"
   elif optimizer_note:
-    cause = (f"{optimizer_note} Resume with the optimizer that wrote it (train_and_evaluate or "
-             "evaluate_checkpoint(optimizer=...)), or")
+    cause = (
+      f"{optimizer_note} Resume with the optimizer that wrote it (train_and_evaluate or "
+      "evaluate_checkpoint(optimizer=...)), or"
+    )
   else:
-    cause = ("The config fields that shape the state agree, so it was probably written by another version of "
-             "ipf_jax; resume with that version, or")
-  raise CheckpointError(f"the checkpoint in {where} does not fit this run's state: {what}. {cause} use a new "
-                        "--workdir to start a fresh run. Nothing was changed.")
+    cause = (
+      "The config fields that shape the state agree, so it was probably written by another version of "
+      "ipf_jax; resume with that version, or"
+    )
+  raise CheckpointError(
+    f"the checkpoint in {where} does not fit this run's state: {what}. {cause} use a new "
+    "--workdir to start a fresh run. Nothing was changed."
+  )
 
 
 OPTIMIZER_LEAVES = ("opt_state", "shared_opt_state")  # the state's fields that only the optimizer shapes
@@ -140,8 +180,9 @@ def _optimizer_words(record: dict) -> str:
   return f"{record.get('name', '?')} (state: {record.get('state', '?')})"
 
 
-def _optimizer_cause(saved: Optional[dict], current: Optional[dict], saved_config: dict,
-                     only_optimizer: bool) -> Optional[str]:
+def _optimizer_cause(
+  saved: Optional[dict], current: Optional[dict], saved_config: dict, only_optimizer: bool
+) -> Optional[str]:
   """A sentence on the two optimizers when they explain the difference, else ``None``.
 
   ``saved`` is ``None`` for a checkpoint older than the record: the config's SGD wrote it (no other
@@ -150,17 +191,26 @@ def _optimizer_cause(saved: Optional[dict], current: Optional[dict], saved_confi
     return None
   here = _optimizer_words(current)
   if not saved:
-    return (f"Only the optimizer state differs: the checkpoint predates the record of its optimizer, so the "
-            f"config's SGD (momentum {saved_config.get('momentum', '?')}) wrote it, and this run's optimizer is "
-            f"{here}.")
+    return (
+      f"Only the optimizer state differs: the checkpoint predates the record of its optimizer, so the "
+      f"config's SGD (momentum {saved_config.get('momentum', '?')}) wrote it, and this run's optimizer is "
+      f"{here}."
+    )
   if saved == current:
-    return None if not only_optimizer else (
+    return (
+      None
+      if not only_optimizer
+      else (
         f"Only the optimizer state differs, though both optimizers record as {here}: they are two optimizers "
-        "of one kind (e.g. another chain of transformations).")
+        "of one kind (e.g. another chain of transformations)."
+      )
+    )
   if not only_optimizer:
     return f"It was also written by another optimizer, {_optimizer_words(saved)}; this run's is {here}."
-  return (f"Only the optimizer state differs: it was written by the optimizer {_optimizer_words(saved)}, and "
-          f"this run's is {here}.")
+  return (
+    f"Only the optimizer state differs: it was written by the optimizer {_optimizer_words(saved)}, and "
+    f"this run's is {here}."
+  )
 
 
 def _flag_value(value) -> str:

@@ -15,6 +15,7 @@ without a signal (Colab). The decisions are taken at step boundaries:
   stops (SIGINT is turned into SIGTERM for it); the clock is read by process 0
   at log steps and broadcast, so every process saves and stops at one step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 @dataclasses.dataclass(frozen=True)
 class Stop:
   """Why a run stops before its last step."""
+
   reason: str
   exit_code: int
 
@@ -94,8 +96,10 @@ class StopControl:
       raise KeyboardInterrupt  # a second Ctrl-C: stop at once
     if self._signal is None:
       name = signal.Signals(signum).name
-      _say(f"{name} received: finishing the step in flight, then saving a checkpoint and stopping"
-           + (" (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else ""))
+      _say(
+        f"{name} received: finishing the step in flight, then saving a checkpoint and stopping"
+        + (" (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else "")
+      )
       self._signal = signum
       if self.multiprocess:
         os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption notifier listens for SIGTERM
@@ -109,8 +113,7 @@ class StopControl:
     """The stop this process's own signal asks for, if one arrived."""
     if self._signal is None:
       return None
-    return Stop(signal.Signals(self._signal).name,
-                EXIT_SIGINT if self._signal == signal.SIGINT else EXIT_SIGTERM)
+    return Stop(signal.Signals(self._signal).name, EXIT_SIGINT if self._signal == signal.SIGINT else EXIT_SIGTERM)
 
   # ---- decisions at step boundaries --------------------------------------------------------------
   def saved(self) -> None:
@@ -127,6 +130,7 @@ class StopControl:
     stop = None
     if self.multiprocess:
       from jax.experimental import multihost_utils
+
       if multihost_utils.reached_preemption_sync_point(step):
         stop = Stop("SIGINT" if self._signal == signal.SIGINT else "SIGTERM (a preemption notice)", EXIT_SIGTERM)
     else:
@@ -134,10 +138,15 @@ class StopControl:
     save_now = False
     if log_step and (self.time_limit_s or self.checkpoint_every_s):
       now = time.monotonic()
-      flags = np.array([bool(self.time_limit_s) and now - self._start >= self.time_limit_s,
-                        bool(self.checkpoint_every_s) and now - self._last_save >= self.checkpoint_every_s])
+      flags = np.array(
+        [
+          bool(self.time_limit_s) and now - self._start >= self.time_limit_s,
+          bool(self.checkpoint_every_s) and now - self._last_save >= self.checkpoint_every_s,
+        ]
+      )
       if self.multiprocess:
         from jax.experimental import multihost_utils
+
         flags = np.asarray(multihost_utils.broadcast_one_to_all(flags))  # process 0's clock decides
       if flags[0] and stop is None:
         stop = Stop(f"time_limit_minutes={self.time_limit_s / 60:g}", EXIT_TIME_LIMIT)

@@ -14,6 +14,7 @@ hook that was there before; ``disarm`` puts that one back. Nothing else is
 ever touched (``sys.stderr``, warnings, logging), and nothing waits for the
 leftovers to finish.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,8 +49,10 @@ def is_orbax_leftover(unraisable, package_dirs: tuple[str, ...] = ()) -> bool:
   while tb is not None:
     frames.append((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name))
     tb = tb.tb_next
-  return any(f.endswith(("asyncio/base_events.py", "asyncio\\base_events.py")) and name == "call_soon_threadsafe"
-             for f, name in frames)
+  return any(
+    f.endswith(("asyncio/base_events.py", "asyncio\\base_events.py")) and name == "call_soon_threadsafe"
+    for f, name in frames
+  )
 
 
 class _Hook:

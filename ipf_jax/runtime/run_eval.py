@@ -1,6 +1,7 @@
 """A run's evaluations: the test set and what the config adds (temperature scaling fitted on a held-out
 part of the train split, the shifted sets, OOD AUROC), the final table, ``eval_results.json`` and the
 exported fused model. ``trainer._Run`` holds one ``Evaluations``."""
+
 from __future__ import annotations
 
 import itertools
@@ -30,24 +31,30 @@ def hold_out(config: ml_collections.ConfigDict, dataset, data_given: bool):
   that part as an evaluation set; else ``(dataset, None)``. Refuses shifted and OOD sets with data you pass
   (``data_given``): they are the built-in data's."""
   if data_given and (config.eval_shifts or config.ood_dataset):
-    raise validation.ConfigError("eval_shifts" if config.eval_shifts else "ood_dataset",
-                                 "the shifted and OOD sets are those of config.dataset's built-in data; with "
-                                 "your own data, evaluate your own sets (eval_step.evaluate); set it to ''")
+    raise validation.ConfigError(
+      "eval_shifts" if config.eval_shifts else "ood_dataset",
+      "the shifted and OOD sets are those of config.dataset's built-in data; with "
+      "your own data, evaluate your own sets (eval_step.evaluate); set it to ''",
+    )
   if not config.calibration_fraction:
     return dataset, None
   if getattr(dataset, "calibration", None) is None:
     if not hasattr(dataset, "holdout"):
       raise validation.ConfigError(
-          "calibration_fraction", f"the data {dataset.name!r} cannot hold out part of its train split "
-          "(in-memory datasets can: digits, ArrayDataset); set it to 0")
+        "calibration_fraction",
+        f"the data {dataset.name!r} cannot hold out part of its train split "
+        "(in-memory datasets can: digits, ArrayDataset); set it to 0",
+      )
     dataset = dataset.holdout(config.calibration_fraction)
   return dataset, dataset.calibration
 
 
 def device_batches(config: ml_collections.ConfigDict, dataset, spec, mesh, start_step: int):
   """The run's train batches from ``start_step``, laid out and placed on the devices."""
-  return (layout.put_train_batch(b, spec.num_particles, mesh, dataset.process_local)
-          for b in dataset.train_batches(start_step, config.global_batch_size, config.seed))
+  return (
+    layout.put_train_batch(b, spec.num_particles, mesh, dataset.process_local)
+    for b in dataset.train_batches(start_step, config.global_batch_size, config.seed)
+  )
 
 
 class Evaluations:
@@ -55,8 +62,7 @@ class Evaluations:
   sets the config names, the final table and the files it writes. ``zoo``: the task is the config's (the
   export names its model)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, dataset, calibration, task, parts, workdir: str,
-               zoo: bool):
+  def __init__(self, config: ml_collections.ConfigDict, dataset, calibration, task, parts, workdir: str, zoo: bool):
     self.config, self.dataset, self.calibration, self.task, self.parts = config, dataset, calibration, task, parts
     self.workdir, self.zoo, self.mesh, self.spec = workdir, zoo, parts.mesh, parts.spec
     self.shift_sets = shifts.eval_sets(config, dataset)
@@ -69,8 +75,9 @@ class Evaluations:
     if not n:
       return None
     batches = device_batches(self.config, self.dataset, self.spec, self.mesh, 0)
-    return fusion.reestimate_bn(self.parts.fused_bn_fn, state, itertools.islice(batches, n),
-                                one_program_at_a_time, interrupted)
+    return fusion.reestimate_bn(
+      self.parts.fused_bn_fn, state, itertools.islice(batches, n), one_program_at_a_time, interrupted
+    )
 
   def evaluate(self, state, fused_bn=None, interrupted: Callable[[], bool] = lambda: False, source=None) -> dict:
     """Metrics on the test set (or ``source``'s). Each process reads its own part of the set when the
@@ -81,18 +88,28 @@ class Evaluations:
     """``(results, examples this process read)``."""
     source = self.dataset if source is None else source
     local = getattr(source, "eval_process_local", False)
-    size, per_process = layout.eval_batch_sizes(self.config.eval_batch_size, self.mesh,
-                                                getattr(source, "test_size", None))
+    size, per_process = layout.eval_batch_sizes(
+      self.config.eval_batch_size, self.mesh, getattr(source, "test_size", None)
+    )
     read = [0]
 
     def counted(batches):
       for batch in batches:
         read[0] += len(next(iter(batch.values())))
         yield batch
-    results = eval_step.evaluate(self.task, self.parts.eval_step, state,
-                                 counted(source.eval_batches(per_process if local else size)),
-                                 size, self.mesh, fused_bn, one_program_at_a_time, interrupted,
-                                 process_local=local)
+
+    results = eval_step.evaluate(
+      self.task,
+      self.parts.eval_step,
+      state,
+      counted(source.eval_batches(per_process if local else size)),
+      size,
+      self.mesh,
+      fused_bn,
+      one_program_at_a_time,
+      interrupted,
+      process_local=local,
+    )
     return results, read[0]
 
   def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
@@ -106,16 +123,19 @@ class Evaluations:
       more["temperature_scaled"] = results_lib.temperature_scaled(calibration, results)
       more["calibration_examples"] = self.calibration.test_size
     if self.shift_sets:  # with a calibration set, each also at the temperature fitted on it (before the curves go)
-      more["shifts"] = {name: results_lib.brief(self.evaluate(state, fused_bn, interrupted, source), calibration)
-                        for name, source in self.shift_sets.items()}
+      more["shifts"] = {
+        name: results_lib.brief(self.evaluate(state, fused_bn, interrupted, source), calibration)
+        for name, source in self.shift_sets.items()
+      }
     if self.ood_sets:
-      more["ood_sets"] = {name: results_lib.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, source))
-                          for name, source in self.ood_sets.items()}
+      more["ood_sets"] = {
+        name: results_lib.ood_auroc(results, self.evaluate(state, fused_bn, interrupted, source))
+        for name, source in self.ood_sets.items()
+      }
       more["ood_dataset"], more["ood"] = next(iter(more["ood_sets"].items()))
     return more
 
-  def finish(self, state, writer=None, suffix: str = "",
-             interrupted: Callable[[], bool] = lambda: False) -> dict:
+  def finish(self, state, writer=None, suffix: str = "", interrupted: Callable[[], bool] = lambda: False) -> dict:
     """Final evaluation table, ``eval_results{suffix}.json`` and the exported fused model
     ``fused_model{suffix}`` (with re-estimated BatchNorm statistics when ``fused_bn_batches`` > 0).
     A file that cannot be written (full disk) is reported and skipped: the table is already printed."""
@@ -125,11 +145,15 @@ class Evaluations:
     step = int(state.step)
     size = self.dataset.test_size
     extras = tables.format_extras(results, self.task.columns)
-    log.info("final evaluation at step %d on %s %s test examples%s:\n%s%s", step, size if size else "the",
-             self.dataset.name, f" (process 0 read {read}: each process reads its own part)"
-             if jax.process_count() > 1 and read != size else "",
-             tables.format_table(results, self.task.columns, self.spec.shared_init),
-             "\n" + extras if extras else "")
+    log.info(
+      "final evaluation at step %d on %s %s test examples%s:\n%s%s",
+      step,
+      size if size else "the",
+      self.dataset.name,
+      f" (process 0 read {read}: each process reads its own part)" if jax.process_count() > 1 and read != size else "",
+      tables.format_table(results, self.task.columns, self.spec.shared_init),
+      "\n" + extras if extras else "",
+    )
     variables, _ = self.parts.fuse(state)
     if fused_bn is not None:
       variables = {**variables, "batch_stats": fused_bn}
@@ -140,18 +164,24 @@ class Evaluations:
       try:
         keep_narrowed(path, results)
       except OSError as e:
-        log.error("could not keep %s before replacing it (%s; %s): it is left as it was, and neither this "
-                  "evaluation's results nor its fused model are written", path, e.strerror or e,
-                  workdir_lib.free_space(self.workdir))
+        log.error(
+          "could not keep %s before replacing it (%s; %s): it is left as it was, and neither this "
+          "evaluation's results nor its fused model are written",
+          path,
+          e.strerror or e,
+          workdir_lib.free_space(self.workdir),
+        )
         return results
       try:
-        files.write_atomic(path, json.dumps(
-            {"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1))
+        files.write_atomic(
+          path, json.dumps({"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1)
+        )
         fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
         export.export_fused(variables, os.path.join(self.workdir, f"fused_model{suffix}"), fields)
       except OSError as e:
-        log.error("could not write %s or the fused model (%s; %s)", path, e.strerror or e,
-                  workdir_lib.free_space(self.workdir))
+        log.error(
+          "could not write %s or the fused model (%s; %s)", path, e.strerror or e, workdir_lib.free_space(self.workdir)
+        )
     return results
 
 
@@ -173,8 +203,10 @@ def keep_narrowed(path: str, results: dict) -> Optional[str]:
       held = f.read()
     old = json.loads(held)
     lost = sorted(_coverage(old) - _coverage(results))
-    why = (f"held the evaluation of step {old.get('step')} with {', '.join(lost[:6])}"
-           f"{', ...' if len(lost) > 6 else ''}, which this evaluation lacks")
+    why = (
+      f"held the evaluation of step {old.get('step')} with {', '.join(lost[:6])}"
+      f"{', ...' if len(lost) > 6 else ''}, which this evaluation lacks"
+    )
   except FileNotFoundError:  # none yet
     return None
   except OSError:  # there but unreadable: it cannot be kept either, so the caller leaves it as it is
@@ -183,9 +215,10 @@ def keep_narrowed(path: str, results: dict) -> Optional[str]:
     lost, why = ["all of it"], "is not an evaluation this run can read"
   if not lost:
     return None
-  stem = path[:-len(".json")]
-  keep = next(c for c in (f"{stem}.replaced{'' if i == 1 else f'.{i}'}.json" for i in itertools.count(1))
-              if not os.path.exists(c))
+  stem = path[: -len(".json")]
+  keep = next(
+    c for c in (f"{stem}.replaced{'' if i == 1 else f'.{i}'}.json" for i in itertools.count(1)) if not os.path.exists(c)
+  )
   files.write_atomic(keep, held)
   log.warning("%s %s: it is kept as %s", os.path.basename(path), why, os.path.basename(keep))
   return keep

@@ -1,5 +1,6 @@
 """``train_and_evaluate(config, workdir)``: a run's assembly, resume, the training loop and progress (its
 evaluations: ``run_eval.Evaluations``)."""
+
 from __future__ import annotations
 
 import logging
@@ -43,8 +44,12 @@ class _LogFile(logging.FileHandler):
   def handleError(self, record):
     err = sys.exc_info()[1]
     log.removeHandler(self)
-    print(f"warning: cannot write {self.baseFilename} ({getattr(err, 'strerror', None) or err}); progress goes "
-          "to stdout only", file=sys.stderr, flush=True)
+    print(
+      f"warning: cannot write {self.baseFilename} ({getattr(err, 'strerror', None) or err}); progress goes "
+      "to stdout only",
+      file=sys.stderr,
+      flush=True,
+    )
 
 
 def setup_logging(workdir: Optional[str]) -> None:
@@ -93,11 +98,14 @@ def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -
   """Number of skipped (non-finite) steps; with several particles, any is fatal."""
   skipped = int(state.num_skipped)
   if skipped and num_particles > 1:
-    kept = (f"the newest checkpoint (step {newest}) is kept" if newest is not None
-            else "no checkpoint had been written yet")
-    raise NonFiniteError(f"step {step}: every particle's loss or gradient is non-finite. The update was skipped "
-                         f"and no checkpoint was written after it; {kept}. Lower config.base_lr or set "
-                         "config.grad_clip_norm, then run again" + (" to resume." if newest is not None else "."))
+    kept = (
+      f"the newest checkpoint (step {newest}) is kept" if newest is not None else "no checkpoint had been written yet"
+    )
+    raise NonFiniteError(
+      f"step {step}: every particle's loss or gradient is non-finite. The update was skipped "
+      f"and no checkpoint was written after it; {kept}. Lower config.base_lr or set "
+      "config.grad_clip_norm, then run again" + (" to resume." if newest is not None else ".")
+    )
   return skipped
 
 
@@ -110,55 +118,86 @@ class _Run:
   (``for_training=False``) needs an existing workdir and creates nothing.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, for_training: bool = True,
-               task: Optional[Task] = None, data=None, check_only: bool = False,
-               optimizer: Optional[optim.Optimizer] = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    for_training: bool = True,
+    task: Optional[Task] = None,
+    data=None,
+    check_only: bool = False,
+    optimizer: Optional[optim.Optimizer] = None,
+  ):
     validation.setup_devices(config)
     validation.validate(config, jax.device_count())
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
-    self.dataset, calibration = run_eval.hold_out(config, data if data is not None else create_dataset(config),
-                                                  data_given=data is not None)
+    self.dataset, calibration = run_eval.hold_out(
+      config, data if data is not None else create_dataset(config), data_given=data is not None
+    )
     validation.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
     self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)  # None: unknown
     if self.steps_per_epoch is None and (config.num_epochs or config.warmup_epochs):
       raise validation.ConfigError(
-          "num_epochs" if config.num_epochs else "warmup_epochs",
-          f"the data {self.dataset.name!r} does not know its epoch length; give it one (ipf_jax.Data("
-          "steps_per_epoch_fn=...)) or count in steps (num_train_steps, warmup_steps)")
+        "num_epochs" if config.num_epochs else "warmup_epochs",
+        f"the data {self.dataset.name!r} does not know its epoch length; give it one (ipf_jax.Data("
+        "steps_per_epoch_fn=...)) or count in steps (num_train_steps, warmup_steps)",
+      )
     self.optimizer = optimizer
-    self.parts = build_lib.build(config, self.task, self.dataset.example, self.steps_per_epoch or 1,
-                                 optimizer=optimizer)
+    self.parts = build_lib.build(
+      config, self.task, self.dataset.example, self.steps_per_epoch or 1, optimizer=optimizer
+    )
     self.optimizer_record = optim.optimizer_record(config, optimizer, self.parts.abstract_state.opt_state)
-    self.spec, self.mesh, self.total, self.lr_fn = (self.parts.spec, self.parts.mesh, self.parts.total_steps,
-                                                    self.parts.lr_fn)
-    self.evaluations = run_eval.Evaluations(config, self.dataset, calibration, self.task, self.parts, workdir,
-                                            self.zoo)
-    if check_only and for_training:
-      workdir_lib.check(workdir)
-    elif for_training:
-      workdir_lib.prepare(workdir)
+    self.spec, self.mesh, self.total, self.lr_fn = (
+      self.parts.spec,
+      self.parts.mesh,
+      self.parts.total_steps,
+      self.parts.lr_fn,
+    )
+    self.evaluations = run_eval.Evaluations(config, self.dataset, calibration, self.task, self.parts, workdir, self.zoo)
+    self._open_workdir(check_only)
+    self._log_plan()
+
+  def _open_workdir(self, check_only: bool) -> None:
+    """A training run creates the workdir and takes its lock (process 0); ``check_only`` (``--dry_run``) checks
+    that it could; a reading run needs an existing one."""
+    if check_only and self.for_training:
+      workdir_lib.check(self.workdir)
+    elif self.for_training:
+      workdir_lib.prepare(self.workdir)
       if jax.process_index() == 0:
-        self.lock = workdir_lib.Lock(workdir)
+        self.lock = workdir_lib.Lock(self.workdir)
         self.lock.acquire()
-      setup_logging(workdir)
+      setup_logging(self.workdir)
     else:
-      workdir_lib.require_existing(workdir, "--eval_only")
-    dp, dd = self.mesh.shape[mesh_lib.PARTICLE], self.mesh.shape[mesh_lib.DATA]
-    devices = self.mesh.devices.size
-    log.info("mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
-             "batch %d = %d particles x %d", config.mode, self.spec.num_particles, dp, dd, devices,
-             self.mesh.devices.flat[0].platform, jax.process_count(), config.global_batch_size,
-             self.spec.num_particles, config.global_batch_size // self.spec.num_particles)
+      workdir_lib.require_existing(self.workdir, "--eval_only")
+
+  def _log_plan(self) -> None:
+    mesh, p, g = self.mesh, self.spec.num_particles, self.config.global_batch_size
+    log.info(
+      "mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
+      "batch %d = %d particles x %d",
+      self.config.mode,
+      p,
+      mesh.shape[mesh_lib.PARTICLE],
+      mesh.shape[mesh_lib.DATA],
+      mesh.devices.size,
+      mesh.devices.flat[0].platform,
+      jax.process_count(),
+      g,
+      p,
+      g // p,
+    )
 
   def state_signature(self, config: ml_collections.ConfigDict) -> compatibility.Signature:
     """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task
     you brought, with your model): what a checkpoint must match. Compiles nothing."""
     task = build_lib.zoo_task(config, self.dataset.num_classes) if self.zoo else self.task
-    return compatibility.signature(build_lib.state_shapes(config, task, self.dataset.example,
-                                                          self.steps_per_epoch or 1, self.optimizer))
+    return compatibility.signature(
+      build_lib.state_shapes(config, task, self.dataset.example, self.steps_per_epoch or 1, self.optimizer)
+    )
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer):
     """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""
@@ -168,17 +207,31 @@ class _Run:
         log.info("starting a new run: no checkpoint in %s", ckpt.directory)
       return None
     state, meta = restored
-    log.info("%s %s at step %d (written on %d device(s))", "resumed from" if self.for_training else "evaluating",
-             ckpt.directory / str(meta["step"]), int(state.step), meta["num_devices"])
+    log.info(
+      "%s %s at step %d (written on %d device(s))",
+      "resumed from" if self.for_training else "evaluating",
+      ckpt.directory / str(meta["step"]),
+      int(state.step),
+      meta["num_devices"],
+    )
     saved, now = meta.get("optimizer"), self.optimizer_record  # the state fits; another optimizer is said
     if (saved.get("name") != now["name"]) if saved else not now["builtin"]:
       there = f"{saved.get('name')} ({saved.get('state')})" if saved else "the config's SGD (an older checkpoint)"
-      log.warning("this run's optimizer differs from the checkpoint's: %s there, %s (%s) here; %s with this run's",
-                  there, now["name"], now["state"], "training continues" if self.for_training else "it is evaluated")
+      log.warning(
+        "this run's optimizer differs from the checkpoint's: %s there, %s (%s) here; %s with this run's",
+        there,
+        now["name"],
+        now["state"],
+        "training continues" if self.for_training else "it is evaluated",
+      )
     changed = compatibility.changed_fields(meta["config"], self.config)
     if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
-      log.warning("this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",
-                  len(changed), "training continues" if self.for_training else "it is evaluated", "; ".join(changed))
+      log.warning(
+        "this run's config differs from the checkpoint's in %d field(s); %s with this run's values: %s",
+        len(changed),
+        "training continues" if self.for_training else "it is evaluated",
+        "; ".join(changed),
+      )
     return state
 
   def close(self) -> None:
@@ -188,18 +241,25 @@ class _Run:
 
 
 def _no_checkpoint(ckpt) -> checkpoint_lib.CheckpointError:
-  return checkpoint_lib.CheckpointError(f"--eval_only: no checkpoint in {ckpt.directory}; train first with the same "
-                                        "--workdir")
+  return checkpoint_lib.CheckpointError(
+    f"--eval_only: no checkpoint in {ckpt.directory}; train first with the same --workdir"
+  )
 
 
-def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool = False,
-              task: Optional[Task] = None, data=None, optimizer: Optional[optim.Optimizer] = None) -> str:
+def check_run(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  eval_only: bool = False,
+  task: Optional[Task] = None,
+  data=None,
+  optimizer: Optional[optim.Optimizer] = None,
+) -> str:
   """``train.py --dry_run``: every check a run makes before it trains (config, devices, data, workdir) and
   the plan, in words. Creates, compiles and writes nothing; raises the error the run would raise."""
-  run = _Run(config, workdir, for_training=not eval_only, task=task, data=data, check_only=True,
-             optimizer=optimizer)
-  ckpt = checkpoint_lib.Checkpointer(workdir, read_only=True, data_name=run.dataset.name,
-                                     optimizer=run.optimizer_record)
+  run = _Run(config, workdir, for_training=not eval_only, task=task, data=data, check_only=True, optimizer=optimizer)
+  ckpt = checkpoint_lib.Checkpointer(
+    workdir, read_only=True, data_name=run.dataset.name, optimizer=run.optimizer_record
+  )
   if not eval_only:
     workdir_lib.Lock(workdir).probe()
     if config.checkpoint_every_steps < 0:
@@ -208,8 +268,9 @@ def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool =
   latest = ckpt.check_latest(run.parts.abstract_state, config, shapes_for=run.state_signature) if reads else None
   step, saved_config = latest if latest is not None else (None, None)
   changed = compatibility.changed_fields(saved_config, config) if saved_config is not None else []
-  epoch = f" ({run.total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" \
-      if run.steps_per_epoch else ""
+  epoch = (
+    f" ({run.total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" if run.steps_per_epoch else ""
+  )
   if eval_only:
     if step is None:
       raise _no_checkpoint(ckpt)
@@ -220,34 +281,56 @@ def check_run(config: ml_collections.ConfigDict, workdir: str, eval_only: bool =
     action = f"only evaluate: the checkpoint of step {step} is the end of the run"
   else:
     action = f"resume at step {step} of {run.total}{epoch}"
-  accum = (f" as {config.grad_accum_steps} micro-batches of {config.global_batch_size // config.grad_accum_steps}"
-           if config.grad_accum_steps > 1 else "")
+  accum = (
+    f" as {config.grad_accum_steps} micro-batches of {config.global_batch_size // config.grad_accum_steps}"
+    if config.grad_accum_steps > 1
+    else ""
+  )
   warmup = optim.train_steps(config, run.steps_per_epoch or 1)[1]
-  return (f"dry run: config, devices, data and --workdir {workdir} checked. Data {run.dataset.name!r}: "
-          f"{run.dataset.train_size} train / {run.dataset.test_size} test examples; {config.global_batch_size} per "
-          f"step{accum}; learning rate peaks at {float(run.lr_fn(warmup)):.4g}. It would {action}"
-          + (f", with this run's values of the {len(changed)} config field(s) that differ from the checkpoint's "
-             f"({'; '.join(changed)})" if changed else "") + ". Nothing was written.")
+  return (
+    f"dry run: config, devices, data and --workdir {workdir} checked. Data {run.dataset.name!r}: "
+    f"{run.dataset.train_size} train / {run.dataset.test_size} test examples; {config.global_batch_size} per "
+    f"step{accum}; learning rate peaks at {float(run.lr_fn(warmup)):.4g}. It would {action}"
+    + (
+      f", with this run's values of the {len(changed)} config field(s) that differ from the checkpoint's "
+      f"({'; '.join(changed)})"
+      if changed
+      else ""
+    )
+    + ". Nothing was written."
+  )
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None,
-                        data=None, optimizer: Optional[optim.Optimizer] = None) -> dict:
+def evaluate_checkpoint(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  task: Optional[Task] = None,
+  data=None,
+  optimizer: Optional[optim.Optimizer] = None,
+) -> dict:
   """Evaluates the newest readable checkpoint in ``workdir`` and prints the table (``train.py --eval_only``).
 
   Reads only: creates no directory, moves no checkpoint; its results go to
   ``eval_results.step<N>.json`` and ``fused_model.step<N>.*`` beside the run's own.
   """
   run = _Run(config, workdir, for_training=False, task=task, data=data, optimizer=optimizer)
-  ckpt = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints, read_only=True,
-                                     data_name=run.dataset.name, optimizer=run.optimizer_record)
+  ckpt = checkpoint_lib.Checkpointer(
+    workdir, keep=config.keep_checkpoints, read_only=True, data_name=run.dataset.name, optimizer=run.optimizer_record
+  )
   state = run.restore(ckpt)
   if state is None:
     raise _no_checkpoint(ckpt)
   return run.evaluations.finish(state, suffix=f".step{int(state.step)}")
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, task: Optional[Task] = None, data=None,
-                       step_hook=None, optimizer: Optional[optim.Optimizer] = None) -> dict:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  task: Optional[Task] = None,
+  data=None,
+  step_hook=None,
+  optimizer: Optional[optim.Optimizer] = None,
+) -> dict:
   """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
 
   ``task`` (default: classification with the zoo model ``config.model``) and ``data`` (default:
@@ -278,9 +361,13 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
   ckpt = None
   state = None
   if config.checkpoint_every_steps >= 0:
-    ckpt = checkpoint_lib.Checkpointer(run.workdir, keep=config.keep_checkpoints,
-                                       async_save=config.async_checkpointing, data_name=run.dataset.name,
-                                       optimizer=run.optimizer_record)
+    ckpt = checkpoint_lib.Checkpointer(
+      run.workdir,
+      keep=config.keep_checkpoints,
+      async_save=config.async_checkpointing,
+      data_name=run.dataset.name,
+      optimizer=run.optimizer_record,
+    )
   try:
     if ckpt is not None:
       state = run.restore(ckpt)
@@ -297,9 +384,10 @@ def _refuse_to_overwrite(workdir: str) -> None:
   held = [name for name in ("checkpoints", "eval_results.json") if os.path.exists(os.path.join(workdir, name))]
   if held:
     raise checkpoint_lib.CheckpointError(
-        f"--workdir {workdir} holds a run ({', '.join(held)}) and config.checkpoint_every_steps=-1 cannot resume "
-        "it: training would start from step 0 and overwrite its results. Resume with checkpoint_every_steps >= 0, "
-        "or use a new --workdir.")
+      f"--workdir {workdir} holds a run ({', '.join(held)}) and config.checkpoint_every_steps=-1 cannot resume "
+      "it: training would start from step 0 and overwrite its results. Resume with checkpoint_every_steps >= 0, "
+      "or use a new --workdir."
+    )
 
 
 def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_hook) -> dict:
@@ -314,8 +402,9 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
   # sync point decides at the first step instead, so that every process stops at the same one.
   early = control.signal_stop() if jax.process_count() == 1 else None
   if early is not None:
-    message = (f"stopped by {early.reason} before training step {start + 1}; nothing new to save"
-               + (f" (newest checkpoint: step {newest})" if newest is not None else ""))
+    message = f"stopped by {early.reason} before training step {start + 1}; nothing new to save" + (
+      f" (newest checkpoint: step {newest})" if newest is not None else ""
+    )
     log.info(message)
     raise RunStopped(message, early.exit_code)
   writer = summary.SummaryWriter(run.workdir)
@@ -328,8 +417,10 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
       # Full disk or lost directory: what was saved stays. One process still shows how the unsaved state
       # does; several skip it (the evaluation needs every process, and each may have stopped elsewhere).
       if jax.process_count() == 1:
-        log.info("a checkpoint could not be saved; evaluating the state in memory (step %d, not saved)",
-                 int(training.state.step))
+        log.info(
+          "a checkpoint could not be saved; evaluating the state in memory (step %d, not saved)",
+          int(training.state.step),
+        )
         try:
           run.evaluations.finish(training.state, writer, interrupted=interrupted)
         except InterruptedError:
@@ -347,8 +438,11 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
       return run.evaluations.finish(state, writer, interrupted=interrupted)
     except InterruptedError:
       stop = control.signal_stop()
-      what = ("the checkpoint is saved; rerun the same command to evaluate it" if saved
-              else "checkpoints are off: nothing was saved")
+      what = (
+        "the checkpoint is saved; rerun the same command to evaluate it"
+        if saved
+        else "checkpoints are off: nothing was saved"
+      )
       message = f"stopped by {stop.reason} during the final evaluation at step {int(state.step)}; {what}"
       log.info(message)
       raise RunStopped(message, stop.exit_code)
@@ -372,9 +466,10 @@ class _Training:
     self._clock = (t_start, self.start)  # (time, step) of the last progress line
     pending = []  # per-step metrics still on the device, fetched at the next log step
     stop = None
-    prefetched = layout.prefetch(run.dataset.train_batches(self.start, config.global_batch_size, config.seed),
-                                 lambda b: layout.put_train_batch(b, run.spec.num_particles, run.mesh,
-                                                                  run.dataset.process_local))
+    prefetched = layout.prefetch(
+      run.dataset.train_batches(self.start, config.global_batch_size, config.seed),
+      lambda b: layout.put_train_batch(b, run.spec.num_particles, run.mesh, run.dataset.process_local),
+    )
     batches = _until_exhausted(prefetched, run.dataset.name, self.start)
     try:
       for step in range(self.start, run.total):
@@ -400,8 +495,12 @@ class _Training:
     self.writer.flush()
     done, elapsed = int(self.state.step), time.perf_counter() - t_start
     if done > self.start:
-      log.info("trained %d steps in %s (%.1f steps/s)", done - self.start, _fmt_time(elapsed),
-               (done - self.start) / max(elapsed, 1e-9))
+      log.info(
+        "trained %d steps in %s (%.1f steps/s)",
+        done - self.start,
+        _fmt_time(elapsed),
+        (done - self.start) / max(elapsed, 1e-9),
+      )
     return stop
 
   def _log(self, done: int, fetched: list) -> None:
@@ -409,8 +508,9 @@ class _Training:
     (t_last, last_step), now = self._clock, time.perf_counter()
     for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
       self.writer.train_step(k, mk)
-    _log_progress(self.run, self.state, fetched[-1], self.writer, done, self.start, (done - last_step) / (now - t_last),
-                  skipped)
+    _log_progress(
+      self.run, self.state, fetched[-1], self.writer, done, self.start, (done - last_step) / (now - t_last), skipped
+    )
     self._clock = (now, done)
 
   def _save_if_due(self, done: int, requested: bool) -> None:
@@ -450,8 +550,12 @@ class _Training:
     except InterruptedError:
       return  # the stop is taken after the next step
     self.writer.eval_results(done, results)
-    log.info("eval step %d  ensemble acc %.2f%%  fused acc %.2f%%", done,
-             100 * results["ensemble"]["accuracy"], 100 * results["fused"]["accuracy"])
+    log.info(
+      "eval step %d  ensemble acc %.2f%%  fused acc %.2f%%",
+      done,
+      100 * results["ensemble"]["accuracy"],
+      100 * results["fused"]["accuracy"],
+    )
 
 
 def _until_exhausted(batches, name: str, start: int):
@@ -460,19 +564,26 @@ def _until_exhausted(batches, name: str, start: int):
   for batch in batches:
     yield batch
     step += 1
-  raise DataError(f"the training data {name!r} ended at step {step} ({step - start} batches read): "
-                  "train_batches(start_step, ...) must give a batch for every step of the run "
-                  "(config.num_train_steps or num_epochs)")
+  raise DataError(
+    f"the training data {name!r} ended at step {step} ({step - start} batches read): "
+    "train_batches(start_step, ...) must give a batch for every step of the run "
+    "(config.num_train_steps or num_epochs)"
+  )
 
 
 def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
   """The progress line (stdout and train.log) and the log-step scalars."""
   spec, total, config = run.spec, run.total, run.config
   distances = np.asarray(run.parts.diversity(state))
-  writer.scalars(done, {"train/images_per_s": rate * config.global_batch_size,
-                        "train/resamples": int(state.num_resamples),
-                        "train/diversity": float(np.nanmean(distances)),
-                        **{f"particle/diversity/{i}": d for i, d in enumerate(distances)}})
+  writer.scalars(
+    done,
+    {
+      "train/images_per_s": rate * config.global_batch_size,
+      "train/resamples": int(state.num_resamples),
+      "train/diversity": float(np.nanmean(distances)),
+      **{f"particle/diversity/{i}": d for i, d in enumerate(distances)},
+    },
+  )
   w = np.exp(m["log_weights"])
   loss = metrics_lib.weighted_train_loss(m)
   eta = (total - done) / rate if done > start + 1 else float("nan")
@@ -482,8 +593,23 @@ def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: floa
   epoch = f"  epoch {done / run.steps_per_epoch:.1f}" if run.steps_per_epoch else ""
   if "temperature" in m:  # ess_target: this step's tau
     scaling += f"  tau {float(m['temperature']):.3g}"
-  log.info("step %d/%d%s  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
-           "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s", done, total, epoch, loss,
-           float(m["ess"]), spec.num_particles, float(w.max()), int(state.num_resamples), int(m["num_alive"]),
-           spec.num_particles, f"  skipped {skipped}" if skipped else "", scaling, float(np.nanmean(distances)),
-           float(m.get("lr", np.nan)), rate, _fmt_time(eta))
+  log.info(
+    "step %d/%d%s  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
+    "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s",
+    done,
+    total,
+    epoch,
+    loss,
+    float(m["ess"]),
+    spec.num_particles,
+    float(w.max()),
+    int(state.num_resamples),
+    int(m["num_alive"]),
+    spec.num_particles,
+    f"  skipped {skipped}" if skipped else "",
+    scaling,
+    float(np.nanmean(distances)),
+    float(m.get("lr", np.nan)),
+    rate,
+    _fmt_time(eta),
+  )

@@ -4,6 +4,7 @@ Writers (training) create the workdir and hold its lock for the run's life;
 readers (``--eval_only``, the report) need an existing run and create nothing
 but their own result files.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -23,14 +24,16 @@ class WorkdirError(OSError):
 def _require_parent(workdir: str) -> str:
   parent = os.path.dirname(os.path.abspath(workdir))
   if not os.path.isdir(parent):
-    raise WorkdirError(f"--workdir {workdir}: the parent directory {parent} does not exist; create it first "
-                       "or choose another --workdir")
+    raise WorkdirError(
+      f"--workdir {workdir}: the parent directory {parent} does not exist; create it first or choose another --workdir"
+    )
   return parent
 
 
 def _not_writable(workdir: str) -> WorkdirError:
-  return WorkdirError(f"--workdir {workdir}: is not a writable directory; fix its permissions or choose another "
-                      "--workdir")
+  return WorkdirError(
+    f"--workdir {workdir}: is not a writable directory; fix its permissions or choose another --workdir"
+  )
 
 
 def prepare(workdir: str) -> None:
@@ -52,15 +55,16 @@ def check(workdir: str) -> None:
     return
   parent = _require_parent(workdir)
   if not os.access(parent, os.W_OK | os.X_OK):
-    raise WorkdirError(f"--workdir {workdir}: cannot be created in {parent} (not writable); choose a writable "
-                       "location")
+    raise WorkdirError(f"--workdir {workdir}: cannot be created in {parent} (not writable); choose a writable location")
 
 
 def require_existing(workdir: str, what: str) -> None:
   """For readers: ``workdir`` must already hold a run (nothing is created)."""
   if not os.path.isdir(workdir):
-    raise WorkdirError(f"{what}: --workdir {workdir} does not exist; train first with this --workdir, or point "
-                       "--workdir at an existing run")
+    raise WorkdirError(
+      f"{what}: --workdir {workdir} does not exist; train first with this --workdir, or point "
+      "--workdir at an existing run"
+    )
 
 
 class Lock:
@@ -84,9 +88,11 @@ class Lock:
     except OSError as e:
       if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
         f.seek(0)
-        error = WorkdirError(f"--workdir {os.path.dirname(self.path)} is in use by another run "
-                             f"({f.read().strip() or 'an unknown process'}); wait for it to finish or stop it, or "
-                             "use another --workdir")
+        error = WorkdirError(
+          f"--workdir {os.path.dirname(self.path)} is in use by another run "
+          f"({f.read().strip() or 'an unknown process'}); wait for it to finish or stop it, or "
+          "use another --workdir"
+        )
       else:
         error = WorkdirError(f"cannot lock {self.path} ({e.strerror})")
       f.close()
@@ -97,8 +103,10 @@ class Lock:
     self._lock(f, fcntl.LOCK_EX)
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()} on host {socket.gethostname()}, started "
-            f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+    f.write(
+      f"pid {os.getpid()} on host {socket.gethostname()}, started "
+      f"{datetime.datetime.now().isoformat(timespec='seconds')}\n"
+    )
     f.flush()
     self._file = f
 
@@ -136,5 +144,3 @@ def size_text(n: float) -> str:
       return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
     n /= 1024
   return ""
-
-

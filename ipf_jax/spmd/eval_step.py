@@ -1,5 +1,6 @@
 """Evaluation: the eval step (every particle, both ensembles, the fused model), the loop over an eval set
 (every example exactly once: padded last batch, masked) and the final table."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator
@@ -48,9 +49,11 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
     ensemble = mixture(pred, w, PARTICLE)
     uniform = mixture(pred, alive / lax.psum(alive.sum(), PARTICLE), PARTICLE)
     params, stats = fusion.fused(state)
-    sums = {"particles": jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
-            "ensemble": task.score(ensemble, batch, mask),
-            "ensemble_uniform": task.score(uniform, batch, mask)}
+    sums = {
+      "particles": jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), per_particle),
+      "ensemble": task.score(ensemble, batch, mask),
+      "ensemble_uniform": task.score(uniform, batch, mask),
+    }
     fused_sums = {"fused": task.score(predict(params, shared, stats, mine), mine, mine["mask"])}
     if fused_bn is not None:
       fused_sums["fused_bn"] = task.score(predict(params, shared, fused_bn, mine), mine, mine["mask"])
@@ -58,8 +61,9 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
       sums["diversity"] = task.diversity(pred, alive, mask, lambda x: lax.psum(x, PARTICLE))
     return {**lax.psum(sums, DATA), **lax.psum(fused_sums, (PARTICLE, DATA)), "weights": pf.gather_all(w, PARTICLE)}
 
-  sharded = jax.jit(jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), layout.EVAL_BATCH_SPEC, P()),
-                                  out_specs=P()))
+  sharded = jax.jit(
+    jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), layout.EVAL_BATCH_SPEC, P()), out_specs=P())
+  )
   return lambda state, batch, fused_bn=None: sharded(state, batch, fused_bn)
 
 
@@ -93,7 +97,7 @@ def padded(batches: Iterable[dict], batch_size: int):
     batch = dict(batch)
     batch.setdefault("mask", np.ones(n, np.float32))
     for start in range(0, n, batch_size):
-      part = {k: v[start:start + batch_size] for k, v in batch.items()}
+      part = {k: v[start : start + batch_size] for k, v in batch.items()}
       pad = batch_size - (min(n, start + batch_size) - start)
       if pad:
         part = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in part.items()}
@@ -107,26 +111,41 @@ def _agreed(batches: Iterable[dict], across_processes: bool) -> Iterator[dict]:
     yield from batches
     return
   from jax.experimental import multihost_utils
+
   stream, last = iter(batches), None
   while True:
     batch = next(stream, None)
-    has, can = multihost_utils.process_allgather(np.array([batch is not None, batch is not None or last is not None],
-                                                          np.int32)).reshape(-1, 2).T
+    has, can = (
+      multihost_utils.process_allgather(np.array([batch is not None, batch is not None or last is not None], np.int32))
+      .reshape(-1, 2)
+      .T
+    )
     if not has.any():
       return
     if not can.all():
       empty = [int(i) for i in np.flatnonzero(can == 0)]
-      raise DataError(f"the evaluation parts of processes {empty} are empty while others are not: each process "
-                      f"reads its own part of the eval set, so it needs at least as many examples as processes")
+      raise DataError(
+        f"the evaluation parts of processes {empty} are empty while others are not: each process "
+        f"reads its own part of the eval set, so it needs at least as many examples as processes"
+      )
     if batch is None:
       batch = dict(last, mask=np.zeros_like(last["mask"]))
     last = batch
     yield batch
 
 
-def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: int, mesh, fused_bn=None,
-             wait: Callable = lambda x: x, interrupted: Callable[[], bool] = lambda: False,
-             process_local: bool = False) -> dict:
+def evaluate(
+  task: Task,
+  eval_step,
+  state,
+  batches: Iterable[dict],
+  batch_size: int,
+  mesh,
+  fused_bn=None,
+  wait: Callable = lambda x: x,
+  interrupted: Callable[[], bool] = lambda: False,
+  process_local: bool = False,
+) -> dict:
   """``task.finalize``d metrics of every row over ``batches`` (see ``padded``); ``weights`` ``[P]``.
 
   ``batches`` is the whole eval set, or (``process_local``) this process's part of it, every example in
@@ -143,19 +162,8 @@ def evaluate(task: Task, eval_step, state, batches: Iterable[dict], batch_size: 
     total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
   if total is None:
     raise DataError("the evaluation set is empty: eval_batches gave no batch")
-  results = {k: (task.finalize_diversity if k == "diversity" else task.finalize)(v)
-             for k, v in jax.device_get(total).items()}
+  results = {
+    k: (task.finalize_diversity if k == "diversity" else task.finalize)(v) for k, v in jax.device_get(total).items()
+  }
   results["weights"] = np.asarray(jax.device_get(weights))
   return results
-
-
-
-
-
-
-
-
-
-
-
-

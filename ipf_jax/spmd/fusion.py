@@ -12,6 +12,7 @@ statistics on training batches (as SWA does). The export is plain Flax:
 msgpack); ``fused_model.json`` the model-zoo fields that rebuild the module
 (``None`` for a model the user brought: pass it to ``load_fused``).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -64,8 +65,10 @@ def make_diversity_fn(mesh: jax.sharding.Mesh) -> Callable:
 
 def _distances(state: ParticleState, fused_params):
   """``[P]`` ``||theta_i - theta_bar||`` over the particles' own (not shared) parameters, gathered."""
-  sq = sum(jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
-           for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_params)))
+  sq = sum(
+    jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
+    for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_params))
+  )
   return pf.gather_all(jnp.sqrt(sq), PARTICLE)
 
 
@@ -89,6 +92,7 @@ def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap")
       def stats(start):
         start = jax.tree.map(lambda x: jnp.full_like(x[0], start), state.batch_stats)
         return task.apply({"params": params, "batch_stats": start}, shard, train=True, key=key)[1]
+
       a, b = stats(0.0), stats(1.0)
       return jax.tree.map(lambda a, b: a / (1.0 - (b - a)), a, b)
 
@@ -98,8 +102,9 @@ def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap")
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(), TRAIN_BATCH_SPEC), out_specs=P()))
 
 
-def reestimate_bn(fused_bn_fn: Callable, state, batches, wait: Callable = lambda x: x,
-                  interrupted: Callable[[], bool] = lambda: False):
+def reestimate_bn(
+  fused_bn_fn: Callable, state, batches, wait: Callable = lambda x: x, interrupted: Callable[[], bool] = lambda: False
+):
   """The mean of ``fused_bn_fn(state, b)`` over the device batches ``batches`` (``None`` if empty)."""
   total, n = None, 0
   for batch in batches:
@@ -109,8 +114,3 @@ def reestimate_bn(fused_bn_fn: Callable, state, batches, wait: Callable = lambda
     total = stats if total is None else jax.tree.map(jnp.add, total, stats)
     n += 1
   return None if total is None else jax.tree.map(lambda x: x / n, total)
-
-
-
-
-

@@ -7,6 +7,7 @@ the devices of its group. Eval batches (with a ``mask``) are split over every
 device, each process placing only its own part; the eval step gathers them over
 ``"particle"`` so that every particle sees every example.
 """
+
 from __future__ import annotations
 
 import queue
@@ -31,8 +32,10 @@ def particle_layout(batch: dict, num_particles: int) -> dict:
 def put_sharded(batch: dict, spec: P, mesh: jax.sharding.Mesh) -> dict:
   """Global host arrays to global device arrays sharded ``spec``; each process materialises only its own
   shards."""
-  return {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda idx, v=v: v[idx])
-          for k, v in batch.items()}
+  return {
+    k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda idx, v=v: v[idx])
+    for k, v in batch.items()
+  }
 
 
 def _local_block_shape(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -79,8 +82,10 @@ def put_eval_batch(batch: dict, mesh: jax.sharding.Mesh, process_local: bool = F
   if not process_local:
     return put_sharded(batch, EVAL_BATCH_SPEC, mesh)
   sharding = NamedSharding(mesh, EVAL_BATCH_SPEC)
-  return {k: jax.make_array_from_process_local_data(sharding, v, (len(v) * jax.process_count(),) + v.shape[1:])
-          for k, v in batch.items()}
+  return {
+    k: jax.make_array_from_process_local_data(sharding, v, (len(v) * jax.process_count(),) + v.shape[1:])
+    for k, v in batch.items()
+  }
 
 
 def prefetch(batches: Iterator[dict], put: Callable[[dict], dict], size: int = 2) -> Iterator[dict]:

@@ -1,4 +1,5 @@
 """The ("particle", "data") device mesh (DESIGN.md §2) and multi-host start-up."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,9 @@ def make_mesh(num_particles: int, devices: Sequence[jax.Device], particle_axis_s
   minor axis, so a particle's data-parallel group sits on neighbouring devices.
   """
   dp, dd = mesh_shape(num_particles, len(devices), particle_axis_size)
-  return jax.make_mesh((dp, dd), (PARTICLE, DATA), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                       devices=list(devices))
+  return jax.make_mesh(
+    (dp, dd), (PARTICLE, DATA), axis_types=(jax.sharding.AxisType.Explicit,) * 2, devices=list(devices)
+  )
 
 
 def one_program_at_a_time(x):

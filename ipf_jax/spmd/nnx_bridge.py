@@ -17,6 +17,7 @@ Two ways to give one:
   - a constructor, ``lambda rngs: MyModel(..., rngs=rngs)``: each particle is built from its own key,
     as a deep ensemble (``init=independent``) needs.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
@@ -57,15 +58,18 @@ class NNXModel:
     self.constructor = None if self.instance is not None else model
     abstract = model if self.instance is not None else nnx.eval_shape(lambda: model(nnx.Rngs(0)))
     if not isinstance(abstract, nnx.Module):
-      raise TypeError(f"Task.model: {model!r} is neither a Flax Linen module, an nnx.Module, nor a constructor "
-                      f"rngs -> nnx.Module (it returned {type(abstract).__name__})")
-    self.graphdef, params, stats, rng_state, rest = nnx.split(abstract, nnx.Param, nnx.BatchStat, nnx.RngState,
-                                                              ...)
+      raise TypeError(
+        f"Task.model: {model!r} is neither a Flax Linen module, an nnx.Module, nor a constructor "
+        f"rngs -> nnx.Module (it returned {type(abstract).__name__})"
+      )
+    self.graphdef, params, stats, rng_state, rest = nnx.split(abstract, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
     leftover = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
     if leftover:
-      raise TypeError(f"the NNX module holds variables of type {', '.join(leftover)}; ipf_jax trains nnx.Param, "
-                      "nnx.BatchStat and RNG streams (nnx.Rngs). Make the others Params or BatchStats, or "
-                      "wrap the module with nnx.bridge.to_linen.")
+      raise TypeError(
+        f"the NNX module holds variables of type {', '.join(leftover)}; ipf_jax trains nnx.Param, "
+        "nnx.BatchStat and RNG streams (nnx.Rngs). Make the others Params or BatchStats, or "
+        "wrap the module with nnx.bridge.to_linen."
+      )
     self._abstract = {"params": jax.tree.map(lambda x: x, params), "batch_stats": stats, "rngs": rng_state}
     self._templates = {name: nnx.to_pure_dict(s) for name, s in self._abstract.items()}
     self._rng_leaves = [(tuple(path), v) for path, v in nnx.to_flat_state(rng_state)]  # (path, RngKey | RngCount)
@@ -88,8 +92,9 @@ class NNXModel:
     if self.instance is not None:
       module = self.instance
     else:
-      module = self.constructor(nnx.Rngs(rngs["params"], **{k: v for k, v in rngs.items()
-                                                            if k not in ("params", "default")}))
+      module = self.constructor(
+        nnx.Rngs(rngs["params"], **{k: v for k, v in rngs.items() if k not in ("params", "default")})
+      )
     _, params, stats, _ = nnx.split(module, nnx.Param, nnx.BatchStat, nnx.RngState)
     variables = {"params": _pure(params)}
     if self._templates["batch_stats"]:
@@ -103,8 +108,7 @@ class NNXModel:
     outputs = module(x)
     if not mutable:
       return outputs
-    return outputs, ({"batch_stats": _pure(nnx.state(module, nnx.BatchStat))} if self._templates["batch_stats"]
-                     else {})
+    return outputs, ({"batch_stats": _pure(nnx.state(module, nnx.BatchStat))} if self._templates["batch_stats"] else {})
 
   # ---- NNX's interface ------------------------------------------------------------------------------
   def module(self, variables: dict, rngs: Optional[dict] = None) -> nnx.Module:

@@ -1,4 +1,5 @@
 """Optimizer, learning-rate schedule and the LR scaling rule (DESIGN.md §3.4)."""
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +14,9 @@ import optax
 from flax.training import dynamic_scale
 
 
-def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int, devices: int = 1,
-             num_particles: int = 1) -> float:
+def lr_scale(
+  rule: str, global_batch_size: int, reference_batch_size: int, devices: int = 1, num_particles: int = 1
+) -> float:
   """``none``: 1; ``linear``: G / ref; ``sqrt``: sqrt(G / ref); ``seed``: sqrt(devices x P), the seed's
   ``lr = base_lr * sqrt(world_size * particle_num)`` (it ignores the batch size)."""
   ratio = global_batch_size / reference_batch_size
@@ -31,8 +33,13 @@ def train_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> tupl
 def create_learning_rate_fn(config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int) -> optax.Schedule:
   """Linear warmup from 0 to ``base_lr * scale`` over ``warmup_steps``, then cosine decay to 0 at
   ``total_steps`` (one optimizer update per train step, also with gradient accumulation)."""
-  peak = config.base_lr * lr_scale(config.lr_scaling, config.global_batch_size, config.reference_batch_size,
-                                   config.num_devices or jax.device_count(), config.num_particles)
+  peak = config.base_lr * lr_scale(
+    config.lr_scaling,
+    config.global_batch_size,
+    config.reference_batch_size,
+    config.num_devices or jax.device_count(),
+    config.num_particles,
+  )
   return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps, total_steps, end_value=0.0)
 
 
@@ -54,8 +61,7 @@ def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -
     parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
   if config.weight_decay:
     parts.append(optax.add_decayed_weights(config.weight_decay, mask=_decay_mask))
-  parts.append(optax.sgd(lr_fn, momentum=config.momentum or None,
-                         nesterov=config.nesterov and bool(config.momentum)))
+  parts.append(optax.sgd(lr_fn, momentum=config.momentum or None, nesterov=config.nesterov and bool(config.momentum)))
   return optax.chain(*parts)
 
 
@@ -64,9 +70,11 @@ Optimizer = Callable[[optax.Schedule], optax.GradientTransformation]  # the run'
 
 def builtin_name(config: ml_collections.ConfigDict) -> str:
   """The built-in optimizer in words, e.g. ``sgd(momentum=0.9, nesterov=True, weight_decay=0.0005)``."""
-  parts = [f"momentum={config.momentum}", f"nesterov={bool(config.nesterov and config.momentum)}",
-           f"weight_decay={config.weight_decay}"] + ([f"grad_clip_norm={config.grad_clip_norm}"]
-                                                     if config.grad_clip_norm else [])
+  parts = [
+    f"momentum={config.momentum}",
+    f"nesterov={bool(config.nesterov and config.momentum)}",
+    f"weight_decay={config.weight_decay}",
+  ] + ([f"grad_clip_norm={config.grad_clip_norm}"] if config.grad_clip_norm else [])
   return f"sgd({', '.join(parts)})"
 
 
@@ -109,8 +117,9 @@ def optimizer_record(config: ml_collections.ConfigDict, optimizer: Optional[Opti
   return {"name": name, "state": state_kind(opt_state), "tree": tree, "builtin": optimizer is None}
 
 
-def make_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule,
-                   optimizer: Optional[Optimizer] = None) -> optax.GradientTransformation:
+def make_optimizer(
+  config: ml_collections.ConfigDict, lr_fn: optax.Schedule, optimizer: Optional[Optimizer] = None
+) -> optax.GradientTransformation:
   """``optimizer(lr_fn)`` (a library user's, e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``), else the
   built-in ``create_optimizer``."""
   return create_optimizer(config, lr_fn) if optimizer is None else optimizer(lr_fn)
@@ -127,6 +136,9 @@ def create_dynamic_scale(config: ml_collections.ConfigDict) -> dynamic_scale.Dyn
   """
   if config.dtype != "float16":
     return None
-  return dynamic_scale.DynamicScale(growth_interval=int(config.loss_scale_growth_interval),
-                                    fin_steps=jnp.zeros((), jnp.int32),
-                                    scale=jnp.asarray(config.loss_scale_init, jnp.float32), minimum_scale=1.0)
+  return dynamic_scale.DynamicScale(
+    growth_interval=int(config.loss_scale_growth_interval),
+    fin_steps=jnp.zeros((), jnp.int32),
+    scale=jnp.asarray(config.loss_scale_init, jnp.float32),
+    minimum_scale=1.0,
+  )

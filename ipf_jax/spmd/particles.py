@@ -1,4 +1,5 @@
 """How a device runs its ``L`` local particles: one function written for one particle, looped."""
+
 from __future__ import annotations
 
 from typing import Callable

@@ -5,6 +5,7 @@ in resampling; the rest stays per particle.
 Parameter paths are ``/``-joined module and parameter names, e.g.
 ``conv_init/kernel`` or ``stage1_block1/Conv_0/kernel``.
 """
+
 from __future__ import annotations
 
 import re

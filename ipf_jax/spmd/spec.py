@@ -1,4 +1,5 @@
 """The particle filter's static settings: what the train step is compiled for."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ class ParticleSpec:
   """The particle filter's static settings (DESIGN.md §3), resolved from the mode. Keyword-only, and each
   field named as the config field it comes from (``defaults.py`` says what it means); ``shared_init`` and
   ``resampling`` are derived."""
+
   num_particles: int
   temperature: float = 0.0
   forgetting: float = 1.0
@@ -21,7 +23,7 @@ class ParticleSpec:
   compress_correction: bool = False
   elastic_pull: float = 0.0
   particle_loop: str = "vmap"  # resolved: vmap | map | unroll
-  resample_exchange: str = "auto"  # all_to_all | rounds | auto (filter.choose_exchange)
+  resample_exchange: str = "auto"  # all_to_all | rounds | auto (particle_filter.choose_exchange)
   weigh_on: str = "own"
   common_examples: int = 2
   ess_target: float = 0.0

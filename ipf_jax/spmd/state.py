@@ -1,4 +1,5 @@
 """The particle train state (DESIGN.md §1): one pytree of global arrays."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,6 +35,7 @@ class ParticleState:
     dynamic_scale: float16's loss scale, one for all particles (flax ``DynamicScale``; None otherwise).
     num_overflows: scalar int32, float16 steps skipped because a gradient overflowed (None otherwise).
   """
+
   params: Any
   batch_stats: Any
   opt_state: Any
@@ -52,20 +54,45 @@ class ParticleState:
 def state_specs() -> ParticleState:
   """``PartitionSpec`` prefix tree: per-particle leaves over ``"particle"``, the rest replicated."""
   per = P(PARTICLE)
-  return ParticleState(params=per, batch_stats=per, opt_state=per, log_weights=per, residual=per,
-                       step=P(), rng=P(), num_resamples=P(), num_skipped=P(), shared_params=P(),
-                       shared_opt_state=P(), dynamic_scale=P(), num_overflows=P())
+  return ParticleState(
+    params=per,
+    batch_stats=per,
+    opt_state=per,
+    log_weights=per,
+    residual=per,
+    step=P(),
+    rng=P(),
+    num_resamples=P(),
+    num_skipped=P(),
+    shared_params=P(),
+    shared_opt_state=P(),
+    dynamic_scale=P(),
+    num_overflows=P(),
+  )
 
 
 def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> ParticleState:
   """A ``NamedSharding`` for every leaf of ``state_shape``."""
   specs = state_specs()
-  return jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: NamedSharding(mesh, spec), sub),
-                      specs, state_shape, is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(
+    lambda spec, sub: jax.tree.map(lambda _: NamedSharding(mesh, spec), sub),
+    specs,
+    state_shape,
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
-def _init_fn(rng: jax.Array, task, tx: optax.GradientTransformation, example: dict, num_particles: int,
-             shared_init: bool = False, shared_pattern: str = "", compress: bool = False, dynamic_scale=None):
+def _init_fn(
+  rng: jax.Array,
+  task,
+  tx: optax.GradientTransformation,
+  example: dict,
+  num_particles: int,
+  shared_init: bool = False,
+  shared_pattern: str = "",
+  compress: bool = False,
+  dynamic_scale=None,
+):
   """``init() -> ParticleState`` (unsharded); see ``train_state_init`` for the arguments."""
   init_rng, run_rng = jax.random.split(rng)
   example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype), example)
@@ -83,20 +110,37 @@ def _init_fn(rng: jax.Array, task, tx: optax.GradientTransformation, example: di
     if compress:
       size = compression.residual_size(sum(x[0].size for x in jax.tree.leaves(params)))
       residual = jnp.zeros((num_particles, size), jnp.float32)
-    return ParticleState(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
-                         shared_params=shared, shared_opt_state=tx.init(shared),
-                         log_weights=jnp.full((num_particles,), -jnp.log(num_particles), jnp.float32),
-                         step=jnp.zeros((), jnp.int32), rng=run_rng,
-                         num_resamples=jnp.zeros((), jnp.int32), num_skipped=jnp.zeros((), jnp.int32),
-                         dynamic_scale=dynamic_scale,
-                         num_overflows=None if dynamic_scale is None else jnp.zeros((), jnp.int32))
+    return ParticleState(
+      params=params,
+      batch_stats=batch_stats,
+      opt_state=opt_state,
+      residual=residual,
+      shared_params=shared,
+      shared_opt_state=tx.init(shared),
+      log_weights=jnp.full((num_particles,), -jnp.log(num_particles), jnp.float32),
+      step=jnp.zeros((), jnp.int32),
+      rng=run_rng,
+      num_resamples=jnp.zeros((), jnp.int32),
+      num_skipped=jnp.zeros((), jnp.int32),
+      dynamic_scale=dynamic_scale,
+      num_overflows=None if dynamic_scale is None else jnp.zeros((), jnp.int32),
+    )
 
   return init_all
 
 
-def train_state_init(rng: jax.Array, task, tx: optax.GradientTransformation, example: dict, num_particles: int,
-                     mesh: jax.sharding.Mesh, shared_init: bool = False, shared_pattern: str = "",
-                     compress: bool = False, dynamic_scale=None):
+def train_state_init(
+  rng: jax.Array,
+  task,
+  tx: optax.GradientTransformation,
+  example: dict,
+  num_particles: int,
+  mesh: jax.sharding.Mesh,
+  shared_init: bool = False,
+  shared_pattern: str = "",
+  compress: bool = False,
+  dynamic_scale=None,
+):
   """The sharded abstract state (for restoring) and a jitted function that initialises it.
 
   Args:
@@ -124,19 +168,26 @@ def train_state_init(rng: jax.Array, task, tx: optax.GradientTransformation, exa
 
 def _from_config(config, spec) -> dict:
   """The ``train_state_init`` arguments that the config and the particle spec decide."""
-  return dict(shared_init=spec.shared_init, shared_pattern=config.shared_params, compress=spec.compress_correction,
-              dynamic_scale=optim.create_dynamic_scale(config))
+  return dict(
+    shared_init=spec.shared_init,
+    shared_pattern=config.shared_params,
+    compress=spec.compress_correction,
+    dynamic_scale=optim.create_dynamic_scale(config),
+  )
 
 
-def train_state_init_from_config(config, spec, task, tx: optax.GradientTransformation, example: dict,
-                                 mesh: jax.sharding.Mesh):
+def train_state_init_from_config(
+  config, spec, task, tx: optax.GradientTransformation, example: dict, mesh: jax.sharding.Mesh
+):
   """``train_state_init`` with everything the config and the particle spec decide: seed, init,
   shared parameters, compression residuals and float16's loss scale."""
-  return train_state_init(jax.random.PRNGKey(config.seed), task, tx, example, spec.num_particles, mesh,
-                          **_from_config(config, spec))
+  return train_state_init(
+    jax.random.PRNGKey(config.seed), task, tx, example, spec.num_particles, mesh, **_from_config(config, spec)
+  )
 
 
 def train_state_shapes(config, spec, task, tx: optax.GradientTransformation, example: dict) -> ParticleState:
   """Shapes and dtypes (``ShapeDtypeStruct`` leaves) of the state ``config`` builds; compiles nothing."""
-  return jax.eval_shape(_init_fn(jax.random.PRNGKey(0), task, tx, example, spec.num_particles,
-                                 **_from_config(config, spec)))
+  return jax.eval_shape(
+    _init_fn(jax.random.PRNGKey(0), task, tx, example, spec.num_particles, **_from_config(config, spec))
+  )

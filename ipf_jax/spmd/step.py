@@ -9,14 +9,16 @@
   3. update:     d_i = (1 - lambda) g_i + lambda sum_j w_j g_j;  theta_i, mu_i <- opt(d_i, mu_i, theta_i)
   4. commit:     apply, or skip the whole step (nothing finite; a float16 overflow)
   5. resample:   if ESS < threshold P (or a particle was culled, or on schedule), and the step was
-                 applied: copy survivors' particles over the others (``filter.resample``; islands:
+                 applied: copy survivors' particles over the others (``particle_filter.resample``; islands:
                  each island within itself)
 
 Per-particle code is written for one particle and run over the ``L`` particles
 of a device (``over_particles``); collectives name ``"particle"`` or ``"data"``.
 """
+
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -49,8 +51,10 @@ def _all_finite(tree):
 
 # ---- 1. gradients ------------------------------------------------------------------------------------------------
 
+
 class Gradients(NamedTuple):
   """Phase 1's output for the ``L`` local particles (gradients of culled particles are zeros)."""
+
   loss: jax.Array  # [L]
   grads: Any
   shared_grads: Any
@@ -71,8 +75,9 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   ds = state.dynamic_scale
 
   def loss_fn(params, shared, batch_stats, batch, key):
-    outputs, new_stats = task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch,
-                                    train=True, key=key)
+    outputs, new_stats = task.apply(
+      {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, train=True, key=key
+    )
     return lax.pmean(task.loss(outputs, batch).mean(), DATA), new_stats
 
   def grad_fn(*args):
@@ -86,8 +91,9 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   run = over_particles(grad_fn, spec.particle_loop, (0, None, 0, 0, 0 if task.rngs else None))
 
   def micro_step(batch_stats, micro_batch, m):
-    micro_key = stream(key, Stream.MODEL) if spec.grad_accum_steps == 1 else jax.random.fold_in(
-        stream(key, Stream.MODEL), m)
+    micro_key = (
+      stream(key, Stream.MODEL) if spec.grad_accum_steps == 1 else jax.random.fold_in(stream(key, Stream.MODEL), m)
+    )
     keys = particle_keys(micro_key, num_local) if task.rngs else None
     (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, batch_stats, micro_batch, keys)
     return loss, batch_stats, grads, shared_grads, proposed
@@ -95,8 +101,9 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   if spec.grad_accum_steps == 1:
     loss, batch_stats, grads, shared_grads, proposed = micro_step(state.batch_stats, batch, 0)
   else:
-    loss, batch_stats, grads, shared_grads, proposed = accumulate(micro_step, spec.grad_accum_steps, state.batch_stats,
-                                                                  batch)
+    loss, batch_stats, grads, shared_grads, proposed = accumulate(
+      micro_step, spec.grad_accum_steps, state.batch_stats, batch
+    )
   loss_finite = jnp.isfinite(loss)
   alive = loss_finite & _all_finite((grads, shared_grads))
   score = None
@@ -111,8 +118,7 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
 def micro_batches(batch: dict, k: int) -> dict:
   """``[L, b, ...]`` leaves to ``[k, L, b / k, ...]``: micro-batch ``m`` holds examples ``m, m + k, ...`` of
   every particle's part of the shard, so a particle's micro-batches do not depend on the mesh."""
-  return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[:1] + (x.shape[1] // k, k) + x.shape[2:]), 2, 0),
-                      batch)
+  return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[:1] + (x.shape[1] // k, k) + x.shape[2:]), 2, 0), batch)
 
 
 def accumulate(micro_step: Callable, k: int, batch_stats, batch: dict):
@@ -128,8 +134,10 @@ def accumulate(micro_step: Callable, k: int, batch_stats, batch: dict):
     m_loss, stats, m_grads, m_shared, m_proposed = micro_step(stats, xs[0], xs[1])
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
     if proposed is not None:
-      proposed = proposed.replace(scale=jnp.minimum(proposed.scale, m_proposed.scale),
-                                  fin_steps=jnp.minimum(proposed.fin_steps, m_proposed.fin_steps))
+      proposed = proposed.replace(
+        scale=jnp.minimum(proposed.scale, m_proposed.scale),
+        fin_steps=jnp.minimum(proposed.fin_steps, m_proposed.fin_steps),
+      )
     return (loss + m_loss, stats, add(grads, m_grads), add(shared_grads, m_shared), proposed), None
 
   rest = (jax.tree.map(lambda x: x[1:], micro), jnp.arange(1, k))
@@ -148,8 +156,9 @@ def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, b
   common = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), mine)  # [P k, ...], the same on every particle
 
   def score_fn(params, shared, batch_stats, key):
-    outputs, _ = task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, common,
-                            train=True, key=key)
+    outputs, _ = task.apply(
+      {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, common, train=True, key=key
+    )
     return lax.pmean(task.loss(outputs, common).mean(), DATA)
 
   run = over_particles(score_fn, spec.particle_loop, (0, None, 0, 0 if task.rngs else None))
@@ -158,8 +167,10 @@ def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, b
 
 # ---- 2. reweigh ----------------------------------------------------------------------------------------------------
 
+
 class Numbers(NamedTuple):
   """The per-particle numbers every device needs, gathered to ``[P]`` in one ``psum``."""
+
   log_weight: jax.Array  # unnormalised: rho log w - tau loss, -inf if culled
   loss: jax.Array
   alive: jax.Array  # 1.0 / 0.0
@@ -181,18 +192,20 @@ def gather_numbers(numbers: Numbers) -> Numbers:
 
 def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Numbers, jax.Array, jax.Array]:
   """``(numbers [P], all_log_w [P], tau)``: ``log w_i <- rho log w_i - tau l_i`` normalised over all ``P``
-  particles (replicated; ``islands``: within each island, ``filter.normalize``); a culled particle gets
+  particles (replicated; ``islands``: within each island, ``particle_filter.normalize``); a culled particle gets
   ``-inf``. ``tau`` is ``temperature``, or with ``ess_target`` the largest ``tau <= temperature`` that keeps
-  the ESS at ``ess_target * P`` (``filter.adaptive_temperature``)."""
+  the ESS at ``ess_target * P`` (``particle_filter.adaptive_temperature``)."""
   score = g.loss if g.score is None else g.score
   raw = pf.update_log_weights(state.log_weights, score, g.alive, spec.temperature, spec.forgetting)
   numbers = Numbers(raw, g.loss, g.alive.astype(g.loss.dtype), jax.vmap(optax.tree.norm)((g.grads, g.shared_grads)))
   if g.score is not None:
     numbers = numbers._replace(score=g.score)
   if g.proposed is not None:
-    numbers = numbers._replace(overflow=(g.loss_finite & ~g.alive).astype(g.loss.dtype),
-                               proposed_scale=jnp.where(g.loss_finite, g.proposed.scale, jnp.inf),
-                               proposed_fin_steps=jnp.where(g.loss_finite, g.proposed.fin_steps, jnp.inf))
+    numbers = numbers._replace(
+      overflow=(g.loss_finite & ~g.alive).astype(g.loss.dtype),
+      proposed_scale=jnp.where(g.loss_finite, g.proposed.scale, jnp.inf),
+      proposed_fin_steps=jnp.where(g.loss_finite, g.proposed.fin_steps, jnp.inf),
+    )
   if g.proposed is not None or spec.ess_target:
     numbers = numbers._replace(previous_log_weight=state.log_weights)
   numbers = gather_numbers(numbers)
@@ -200,11 +213,18 @@ def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Num
   if spec.ess_target:  # tau_t: the largest tau <= temperature that keeps the ESS at the target
     alive = numbers.alive > 0
     score = numbers.loss if numbers.score is None else numbers.score
-    temperature = pf.adaptive_temperature(numbers.previous_log_weight, score, alive, spec.temperature,
-                                           spec.forgetting, spec.ess_target * spec.num_particles,
-                                           islands=spec.islands)
-    numbers = numbers._replace(log_weight=pf.update_log_weights(numbers.previous_log_weight, score, alive,
-                                                                temperature, spec.forgetting))
+    temperature = pf.adaptive_temperature(
+      numbers.previous_log_weight,
+      score,
+      alive,
+      spec.temperature,
+      spec.forgetting,
+      spec.ess_target * spec.num_particles,
+      islands=spec.islands,
+    )
+    numbers = numbers._replace(
+      log_weight=pf.update_log_weights(numbers.previous_log_weight, score, alive, temperature, spec.forgetting)
+    )
   return numbers, pf.normalize(numbers.log_weight, spec.islands), temperature
 
 
@@ -215,8 +235,10 @@ def local_slice(all_values, num_local: int):
 
 # ---- 3. correct and update -------------------------------------------------------------------------------------
 
-def correct_and_update(tx: optax.GradientTransformation, spec: ParticleSpec, dp: int, state: ParticleState,
-                       g: Gradients, weights):
+
+def correct_and_update(
+  tx: optax.GradientTransformation, spec: ParticleSpec, dp: int, state: ParticleState, g: Gradients, weights
+):
   """``d_i = (1 - lambda) g_i + lambda sum_j w_j g_j`` (optionally compressed, with error feedback),
   ``theta_i, mu_i <- opt(d_i, mu_i, theta_i)``, then the optional elastic pull
   ``theta_i <- (1 - alpha) theta_i + alpha sum_j w_j theta_j``. Shared parameters take one update with
@@ -234,13 +256,15 @@ def correct_and_update(tx: optax.GradientTransformation, spec: ParticleSpec, dp:
   updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   params = correction.correct(params, weights, spec.elastic_pull, PARTICLE)
-  shared_updates, shared_opt_state = tx.update(correction.weighted_sum(g.shared_grads, weights, PARTICLE),
-                                               state.shared_opt_state, state.shared_params)
+  shared_updates, shared_opt_state = tx.update(
+    correction.weighted_sum(g.shared_grads, weights, PARTICLE), state.shared_opt_state, state.shared_params
+  )
   shared_params = optax.apply_updates(state.shared_params, shared_updates)
   return (params, g.batch_stats, opt_state, residual), shared_params, shared_opt_state
 
 
 # ---- 4. commit and 5. resample --------------------------------------------------------------------------------
+
 
 def resample_decision(spec: ParticleSpec, step, ess, num_alive):
   """Low ESS, a culled particle to replace (while any is alive), or the schedule."""
@@ -286,15 +310,23 @@ def commit(state: ParticleState, ok, particle, log_w, shared_params, shared_opt_
   the resampling, so the old state is dead while particles move (the exchange's buffers then add nothing
   to the step's peak memory)."""
   params, batch_stats, opt_state, residual = particle
-  updated = state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
-                          log_weights=log_w, shared_params=shared_params, shared_opt_state=shared_opt_state)
+  updated = state.replace(
+    params=params,
+    batch_stats=batch_stats,
+    opt_state=opt_state,
+    residual=residual,
+    log_weights=log_w,
+    shared_params=shared_params,
+    shared_opt_state=shared_opt_state,
+  )
   return jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
 
 
-def resample_phase(spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma,
-                   exchange: pf.Exchange):
+def resample_phase(
+  spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma, exchange: pf.Exchange
+):
   """Phase 5: ``(state, src [P])``; where ``decide`` (replicated), the committed population resampled
-  (``filter.resample``: survivors in place, weights uniform, particles moved by ``exchange``), else
+  (``particle_filter.resample``: survivors in place, weights uniform, particles moved by ``exchange``), else
   unchanged with ``src`` the identity."""
   identity = jnp.arange(spec.num_particles, dtype=jnp.int32)
 
@@ -303,36 +335,118 @@ def resample_phase(spec: ParticleSpec, dp: int, state: ParticleState, key, all_l
 
   particle = (state.params, state.batch_stats, state.opt_state, state.residual)
   (params, batch_stats, opt_state, residual), log_w, src = lax.cond(
-      decide, resample, lambda p, w: (p, w, identity), particle, state.log_weights)
-  return state.replace(params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual,
-                       log_weights=log_w), src
+    decide, resample, lambda p, w: (p, w, identity), particle, state.log_weights
+  )
+  return state.replace(
+    params=params, batch_stats=batch_stats, opt_state=opt_state, residual=residual, log_weights=log_w
+  ), src
 
 
-def step_metrics(spec: ParticleSpec, state: ParticleState, numbers: Numbers, all_log_w, ess, num_alive,
-                 resampled, src, temperature, overflow, lr=None) -> dict:
+class Outcome(NamedTuple):
+  """What phases 2-5 decided, as the metrics report it."""
+
+  numbers: Numbers  # [P], gathered
+  all_log_w: jax.Array  # [P] normalised
+  ess: jax.Array
+  num_alive: jax.Array
+  resampled: jax.Array  # bool
+  src: jax.Array  # [P] ancestors (the identity when not resampled)
+  temperature: jax.Array  # the tau used (ess_target: adapted)
+  overflow: jax.Array  # bool: a float16 overflow skipped the step
+
+
+def step_metrics(spec: ParticleSpec, state: ParticleState, o: Outcome, lr=None) -> dict:
   """What the step reports, replicated (per-particle values ``[P]``); ``lr``: the learning rate the optimizer
   applies at this step (with ``lr_fn``). float16: an overflow step culls nobody and keeps the weights, so it
   reports them as they were, not the discarded update."""
-  metrics = {"loss": numbers.loss, "alive": numbers.alive.astype(jnp.int32), "grad_norm": numbers.grad_norm,
-             "log_weights": all_log_w, "ess": ess, "resampled": resampled, "ancestors": src, "num_alive": num_alive}
+  numbers = o.numbers
+  metrics = {
+    "loss": numbers.loss,
+    "alive": numbers.alive.astype(jnp.int32),
+    "grad_norm": numbers.grad_norm,
+    "log_weights": o.all_log_w,
+    "ess": o.ess,
+    "resampled": o.resampled,
+    "ancestors": o.src,
+    "num_alive": o.num_alive,
+  }
   if lr is not None:
     metrics["lr"] = jnp.asarray(lr, jnp.float32)
   if spec.ess_target:
-    metrics["temperature"] = temperature
+    metrics["temperature"] = o.temperature
   if numbers.score is not None:
     metrics["score"] = numbers.score
   if state.dynamic_scale is not None:
-    metrics.update(loss_scale=state.dynamic_scale.scale, overflow=overflow)
+    metrics.update(loss_scale=state.dynamic_scale.scale, overflow=o.overflow)
     finite = (numbers.alive + numbers.overflow) > 0
-    kept = {"log_weights": numbers.previous_log_weight, "ess": pf.ess(numbers.previous_log_weight, spec.islands),
-            "alive": finite.astype(jnp.int32), "num_alive": jnp.sum(finite).astype(jnp.int32)}
-    metrics.update({k: jnp.where(overflow, v, metrics[k]) for k, v in kept.items()})
+    kept = {
+      "log_weights": numbers.previous_log_weight,
+      "ess": pf.ess(numbers.previous_log_weight, spec.islands),
+      "alive": finite.astype(jnp.int32),
+      "num_alive": jnp.sum(finite).astype(jnp.int32),
+    }
+    metrics.update({k: jnp.where(o.overflow, v, metrics[k]) for k, v in kept.items()})
   return metrics
 
 
-def make_train_step(task: Task, tx: optax.GradientTransformation, spec: ParticleSpec,
-                    mesh: jax.sharding.Mesh, lr_fn: Optional[optax.Schedule] = None,
-                    exchange: Optional[pf.Exchange] = None) -> Callable:
+def count(state: ParticleState, new_state: ParticleState, ok, overflow, resampled, ds) -> ParticleState:
+  """The step's counters: one more step, and whether it was skipped, an overflow or a resampling."""
+  new_state = new_state.replace(
+    step=state.step + 1,
+    num_skipped=state.num_skipped + (~ok & ~overflow).astype(jnp.int32),
+    num_resamples=state.num_resamples + resampled.astype(jnp.int32),
+  )
+  if ds is not None:
+    new_state = new_state.replace(dynamic_scale=ds, num_overflows=state.num_overflows + overflow.astype(jnp.int32))
+  return new_state
+
+
+class StepParts(NamedTuple):
+  """What a train step is built from: ``make_train_step``'s arguments, ``dp`` the mesh's particle axis."""
+
+  task: Task
+  tx: optax.GradientTransformation
+  spec: ParticleSpec
+  dp: int
+  lr_fn: Optional[optax.Schedule]
+  exchange: pf.Exchange
+
+
+def local_step(c: StepParts, state: ParticleState, batch):
+  """One device's part of the train step, phase by phase (the module docstring's 1-5)."""
+  spec = c.spec
+  step_key = jax.random.fold_in(state.rng, state.step)
+  g = gradients(c.task, spec, state, batch, step_key)  # 1
+  numbers, all_log_w, temperature = reweigh(spec, state, g)  # 2
+  log_w = local_slice(all_log_w, state.log_weights.shape[0])
+  particle, shared_params, shared_opt_state = correct_and_update(c.tx, spec, c.dp, state, g, jnp.exp(log_w))  # 3
+  ess = pf.ess(all_log_w, spec.islands)
+  num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
+  # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
+  ds, overflow = state.dynamic_scale, jnp.zeros((), bool)
+  if ds is not None:
+    ds, overflow = loss_scale_decision(ds, numbers)
+  ok = (num_alive > 0) & ~overflow
+  new_state = commit(state, ok, particle, log_w, shared_params, shared_opt_state)
+  # 5. Resample the committed population (skipped steps never resample).
+  resampled, src = jnp.zeros((), bool), jnp.arange(spec.num_particles, dtype=jnp.int32)
+  if spec.resampling:
+    resampled = resample_decision(spec, state.step, ess, num_alive) & ok
+    sigma = jitter_sigma(spec, c.lr_fn, state.step)
+    new_state, src = resample_phase(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange)
+  new_state = count(state, new_state, ok, overflow, resampled, ds)
+  outcome = Outcome(numbers, all_log_w, ess, num_alive, resampled, src, temperature, overflow)
+  return new_state, step_metrics(spec, state, outcome, None if c.lr_fn is None else c.lr_fn(updates_done(state)))
+
+
+def make_train_step(
+  task: Task,
+  tx: optax.GradientTransformation,
+  spec: ParticleSpec,
+  mesh: jax.sharding.Mesh,
+  lr_fn: Optional[optax.Schedule] = None,
+  exchange: Optional[pf.Exchange] = None,
+) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
 
   ``batch`` is a dict of ``[P, B, ...]`` arrays sharded ``P("particle", "data")`` (particle ``i``
@@ -340,41 +454,15 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, spec: Particle
   is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``;
   with it the metrics hold ``lr``, the schedule at the optimizer's count (``updates_done``: steps skipped
   whole apply no update, so the count lags ``state.step`` by them). ``exchange`` moves resampled particles
-  (``filter.Exchange``; default ``filter.exchange_fn(spec.resample_exchange)``; unused where
-  ``spec.resampling`` is off: ensemble, DDP).
+  (``particle_filter.Exchange``; default ``particle_filter.exchange_fn(spec.resample_exchange)``; unused
+  where ``spec.resampling`` is off: ensemble, DDP).
   """
-  dp = mesh.shape[PARTICLE]
-  exchange = exchange or pf.exchange_fn(spec.resample_exchange)
-
-  def local_step(state: ParticleState, batch):
-    step_key = jax.random.fold_in(state.rng, state.step)
-    g = gradients(task, spec, state, batch, step_key)  # 1
-    numbers, all_log_w, temperature = reweigh(spec, state, g)  # 2
-    log_w = local_slice(all_log_w, state.log_weights.shape[0])
-    particle, shared_params, shared_opt_state = correct_and_update(tx, spec, dp, state, g, jnp.exp(log_w))  # 3
-    ess = pf.ess(all_log_w, spec.islands)
-    num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
-    # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
-    ds, overflow = state.dynamic_scale, jnp.zeros((), bool)
-    if ds is not None:
-      ds, overflow = loss_scale_decision(ds, numbers)
-    ok = (num_alive > 0) & ~overflow
-    new_state = commit(state, ok, particle, log_w, shared_params, shared_opt_state)
-    # 5. Resample the committed population (skipped steps never resample).
-    resampled, src = jnp.zeros((), bool), jnp.arange(spec.num_particles, dtype=jnp.int32)
-    if spec.resampling:
-      resampled = resample_decision(spec, state.step, ess, num_alive) & ok
-      new_state, src = resample_phase(spec, dp, new_state, step_key, all_log_w, resampled,
-                                      jitter_sigma(spec, lr_fn, state.step), exchange)
-    new_state = new_state.replace(step=state.step + 1,
-                                  num_skipped=state.num_skipped + (~ok & ~overflow).astype(jnp.int32),
-                                  num_resamples=state.num_resamples + resampled.astype(jnp.int32))
-    if ds is not None:
-      new_state = new_state.replace(dynamic_scale=ds, num_overflows=state.num_overflows + overflow.astype(jnp.int32))
-    return new_state, step_metrics(spec, state, numbers, all_log_w, ess, num_alive, resampled, src, temperature,
-                                   overflow, None if lr_fn is None else lr_fn(updates_done(state)))
-
+  parts = StepParts(task, tx, spec, mesh.shape[PARTICLE], lr_fn, exchange or pf.exchange_fn(spec.resample_exchange))
   specs = state_specs()
-  sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(specs, TRAIN_BATCH_SPEC),
-                          out_specs=(specs, TRAIN_METRIC_SPECS))
+  sharded = jax.shard_map(
+    functools.partial(local_step, parts),
+    mesh=mesh,
+    in_specs=(specs, TRAIN_BATCH_SPEC),
+    out_specs=(specs, TRAIN_METRIC_SPECS),
+  )
   return jax.jit(sharded, donate_argnums=0)

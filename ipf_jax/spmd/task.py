@@ -19,6 +19,7 @@ into ``params`` (``nnx.Param``) and ``batch_stats`` (``nnx.BatchStat``), its RNG
 streams are keyed per particle and step, and it is called as ``module(inputs)``
 after ``module.train()`` / ``module.eval()`` (``ipf_jax.spmd.nnx_bridge``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,6 +55,7 @@ class Task:
       population's diversity (``total`` sums an array over all particles), or ``None``.
     finalize_diversity: host ``sums -> {metric: value}`` for ``diversity``.
   """
+
   model: Any  # nn.Module, or nnx_bridge.NNXModel (made from an NNX module in __post_init__)
   loss: Callable[[Any, dict], jax.Array]
   predictive: Callable[[Any, dict], Any]
@@ -90,8 +92,10 @@ class Task:
 
 # ---- classification -----------------------------------------------------------------------------------------
 
-def classification(model: nn.Module, label_smoothing: float = 0.0, inputs: str = "image", label: str = "label",
-                   rngs: tuple = ()) -> Task:
+
+def classification(
+  model: nn.Module, label_smoothing: float = 0.0, inputs: str = "image", label: str = "label", rngs: tuple = ()
+) -> Task:
   """Softmax cross-entropy on integer labels (``label_smoothing`` optional); the ensembles average class
   probabilities; scored by accuracy, NLL, ECE, Brier, selective prediction and tempered NLL / ECE / Brier
   (``metrics.classification_sums``); the population's disagreement and pairwise KL (``metrics.diversity_sums``)."""
@@ -102,15 +106,27 @@ def classification(model: nn.Module, label_smoothing: float = 0.0, inputs: str =
       return optax.softmax_cross_entropy(logits, targets)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[label])
 
-  return Task(model=model, loss=loss, predictive=lambda logits, batch: jax.nn.softmax(logits),
-              score=lambda probs, batch, mask: metrics_lib.classification_sums(probs, batch[label], mask),
-              finalize=metrics_lib.finalize, inputs=inputs, rngs=rngs,
-              diversity=metrics_lib.diversity_sums, finalize_diversity=metrics_lib.finalize_diversity,
-              columns=(("accuracy", "accuracy", "{:.2%}"), ("NLL", "nll", "{:.4f}"), ("ECE", "ece", "{:.4f}"),
-                       ("Brier", "brier", "{:.4f}")))
+  return Task(
+    model=model,
+    loss=loss,
+    predictive=lambda logits, batch: jax.nn.softmax(logits),
+    score=lambda probs, batch, mask: metrics_lib.classification_sums(probs, batch[label], mask),
+    finalize=metrics_lib.finalize,
+    inputs=inputs,
+    rngs=rngs,
+    diversity=metrics_lib.diversity_sums,
+    finalize_diversity=metrics_lib.finalize_diversity,
+    columns=(
+      ("accuracy", "accuracy", "{:.2%}"),
+      ("NLL", "nll", "{:.4f}"),
+      ("ECE", "ece", "{:.4f}"),
+      ("Brier", "brier", "{:.4f}"),
+    ),
+  )
 
 
 # ---- regression ----------------------------------------------------------------------------------------------
+
 
 def gaussian_regression(model: nn.Module, inputs: str = "x", target: str = "y", rngs: tuple = ()) -> Task:
   """A Gaussian likelihood: the model outputs ``[b, 2]`` = (mean, raw scale) with
@@ -127,10 +143,19 @@ def gaussian_regression(model: nn.Module, inputs: str = "x", target: str = "y", 
 
   def predictive(outputs, batch):
     mean, sigma = split(outputs)
-    return {"log_density": -metrics_lib.gaussian_nll(batch[target], mean, sigma), "mean": mean,
-            "second_moment": sigma ** 2 + mean ** 2}
+    return {
+      "log_density": -metrics_lib.gaussian_nll(batch[target], mean, sigma),
+      "mean": mean,
+      "second_moment": sigma**2 + mean**2,
+    }
 
-  return Task(model=model, loss=loss, predictive=predictive,
-              score=lambda pred, batch, mask: metrics_lib.regression_sums(pred, batch[target], mask),
-              finalize=metrics_lib.finalize_regression, inputs=inputs, rngs=rngs,
-              columns=(("NLL", "nll", "{:.4f}"), ("RMSE", "rmse", "{:.4f}")))
+  return Task(
+    model=model,
+    loss=loss,
+    predictive=predictive,
+    score=lambda pred, batch, mask: metrics_lib.regression_sums(pred, batch[target], mask),
+    finalize=metrics_lib.finalize_regression,
+    inputs=inputs,
+    rngs=rngs,
+    columns=(("NLL", "nll", "{:.4f}"), ("RMSE", "rmse", "{:.4f}")),
+  )
