@@ -105,7 +105,7 @@ def test_default_workdir_parent_ships_with_the_repo():
   assert "runs/.gitkeep" in tracked
 
 
-def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path):
+def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path, monkeypatch):
   """``--dry_run`` (in process): the plan for a new workdir, which it does not create; ``--eval_only`` without a
   checkpoint and a workdir another run holds are the errors the real commands give."""
   import pytest
@@ -130,3 +130,12 @@ def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path):
   finally:
     lock.release()
   assert os.listdir(tmp_path) == [".lock"]
+  # An object-store URL is refused by name, for training and for reading, before anything is created
+  # (os.path would have read gs://b/run as the local folders gs:/b/run).
+  monkeypatch.chdir(tmp_path)
+  for url, eval_only in (("gs://bucket/run", False), ("ram://run", True)):
+    with pytest.raises(workdir_lib.WorkdirError, match=url.split(":")[0] + ":// paths are not supported.*gcsfuse"):
+      trainer.check_run(config, url, eval_only=eval_only)
+    with pytest.raises(workdir_lib.WorkdirError, match="paths are not supported"):
+      trainer.train_and_evaluate(config, url)
+  assert sorted(os.listdir(tmp_path)) == [".lock"]

@@ -11,6 +11,7 @@ import datetime
 import errno
 import fcntl
 import os
+import re
 import shutil
 import socket
 
@@ -19,6 +20,19 @@ LOCK_FILE = ".lock"
 
 class WorkdirError(OSError):
   """The workdir cannot be used; the message says why and what to do."""
+
+
+def refuse_remote(workdir: str) -> None:
+  """A URL (``gs://``, ``s3://``, ``ram://``, ...) is refused with one error: the lock (``flock``), the atomic
+  renames, the free-space checks and the log files need a POSIX filesystem. A bucket mounted as one (gcsfuse)
+  works; orbax alone could write there, the rest of the run could not."""
+  scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", workdir)
+  if scheme:
+    raise WorkdirError(
+      f"--workdir {workdir}: {scheme.group(1)}:// paths are not supported: the run's lock (flock), atomic "
+      "renames and log files need a POSIX filesystem; use a local disk, NFS, or the bucket mounted as a "
+      "filesystem (e.g. gcsfuse), and choose a --workdir there"
+    )
 
 
 def _require_parent(workdir: str) -> str:
@@ -38,6 +52,7 @@ def _not_writable(workdir: str) -> WorkdirError:
 
 def prepare(workdir: str) -> None:
   """Creates ``workdir`` (its parent must exist) and checks that it is a writable directory."""
+  refuse_remote(workdir)
   _require_parent(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)
@@ -49,6 +64,7 @@ def prepare(workdir: str) -> None:
 
 def check(workdir: str) -> None:
   """``prepare``'s checks without creating anything (``--dry_run``)."""
+  refuse_remote(workdir)
   if os.path.exists(workdir):
     if not os.path.isdir(workdir) or not os.access(workdir, os.W_OK | os.X_OK):
       raise _not_writable(workdir)
@@ -60,6 +76,7 @@ def check(workdir: str) -> None:
 
 def require_existing(workdir: str, what: str) -> None:
   """For readers: ``workdir`` must already hold a run (nothing is created)."""
+  refuse_remote(workdir)
   if not os.path.isdir(workdir):
     raise WorkdirError(
       f"{what}: --workdir {workdir} does not exist; train first with this --workdir, or point "
