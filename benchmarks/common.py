@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import digits
 from ipf_jax.config import builder as build_lib
 from ipf_jax.config import validation
 from ipf_jax.spmd import layout
@@ -59,6 +60,34 @@ class Bench:
 
   def compiled(self):
     return self.train_step.lower(self.abstract, self.batch_abstract()).compile()
+
+
+def config_for(args, **kw):
+  """The digits config on ``args.model`` with ``args.per_particle_batch`` examples per particle, and ``kw``."""
+  c = digits.get_config()
+  c.model, c.num_cpu_devices = args.model, 0
+  c.global_batch_size = args.per_particle_batch * kw.get("num_particles", c.num_particles)
+  for k, v in kw.items():
+    c[k] = v
+  return c
+
+
+def image_shape(args):
+  """The digits' 8 x 8 x 1 for the CNN, else ``args.image_size`` squared RGB."""
+  return (8, 8, 1) if args.model == "cnn" else (args.image_size, args.image_size, 3)
+
+
+class Timed:
+  """A compiled train step with its state and one fixed batch."""
+
+  def __init__(self, config, args, spec_changes=None, exchange=None):
+    self.bench = Bench(config, image_shape(args), 10, spec_changes, exchange)
+    self.state = self.bench.init()
+    self.batch = self.bench.synthetic_batch()
+
+  def __call__(self):
+    self.state, m = self.bench.train_step(self.state, self.batch)
+    return m["loss"]
 
 
 def memory_mib(compiled) -> dict:

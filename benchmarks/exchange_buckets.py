@@ -21,7 +21,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 from benchmarks.common import measure, memory_mib, print_summary, print_table  # noqa: E402
-from benchmarks.overhead import Timed, config_for  # noqa: E402
+from benchmarks.common import Timed, config_for  # noqa: E402
 from ipf_jax.population import particle_filter as pf  # noqa: E402
 
 

@@ -34,36 +34,9 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.common import Bench, measure, memory_mib, print_summary, print_table  # noqa: E402
-from configs import digits  # noqa: E402
+from benchmarks.common import Timed, config_for, image_shape, measure, memory_mib, print_summary, print_table  # noqa: E402
 from ipf_jax.data import digits as digits_data  # noqa: E402
 from ipf_jax.models import create_model  # noqa: E402
-
-
-def config_for(args, **kw):
-  c = digits.get_config()
-  c.model, c.num_cpu_devices = args.model, 0
-  c.global_batch_size = args.per_particle_batch * kw.get("num_particles", c.num_particles)
-  for k, v in kw.items():
-    c[k] = v
-  return c
-
-
-def image_shape(args):
-  return (8, 8, 1) if args.model == "cnn" else (args.image_size, args.image_size, 3)
-
-
-class Timed:
-  """A compiled train step with its state and one fixed batch."""
-
-  def __init__(self, config, args, spec_changes=None, exchange=None):
-    self.bench = Bench(config, image_shape(args), 10, spec_changes, exchange)
-    self.state = self.bench.init()
-    self.batch = self.bench.synthetic_batch()
-
-  def __call__(self):
-    self.state, m = self.bench.train_step(self.state, self.batch)
-    return m["loss"]
 
 
 def handwritten_ddp(config, args):
