@@ -10,6 +10,9 @@ README.md for the accuracy it reaches.
 from ipf_jax.config import defaults
 
 
+# The comments stand in one column, a continued one under its first line: not reformatted.
+# fmt: off
+
 def get_config():
   config = defaults.get_config()
   config.dataset = "digits"
@@ -17,8 +20,8 @@ def get_config():
   config.num_particles = 8
   config.global_batch_size = 128
   config.num_train_steps = 300
-  config.num_cpu_devices = 8  # show the real particle mesh on a CPU-only machine
-  config.jitter_lr = 0.3  # resample-move noise sigma = 0.3 x learning rate on resampled copies:
-  # measured on digits (BENCHMARKS.md, "Uncertainty on digits"); its scale is
-  # absolute, so other models choose their own (the library default is 0)
+  config.num_cpu_devices = 8           # show the real particle mesh on a CPU-only machine
+  config.jitter_lr = 0.3               # resample-move noise sigma = 0.3 x learning rate on resampled copies:
+                                       # measured on digits (BENCHMARKS.md, "Uncertainty on digits"); its scale is
+                                       # absolute, so other models choose their own (the library default is 0)
   return config

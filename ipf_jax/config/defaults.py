@@ -8,6 +8,9 @@ override a few fields. Any field can be overridden on the command line:
 import ml_collections
 
 
+# The comments stand in one column, a continued one under its first line: not reformatted.
+# fmt: off
+
 def get_config() -> ml_collections.ConfigDict:
   """Every field with its default, locked: a misspelt override is an error naming the closest field."""
   config = ml_collections.ConfigDict()
@@ -19,122 +22,122 @@ def get_config() -> ml_collections.ConfigDict:
 
 def _run(config: ml_collections.ConfigDict) -> None:
   """Run: how long it trains, how often it logs, evaluates and saves."""
-  config.seed = 0  # PRNG seed: particle init, resampling, data order
-  config.num_train_steps = 300  # train steps (one global batch each)
-  config.num_epochs = 0.0  # if > 0: train this many epochs instead of num_train_steps
-  config.log_every_steps = 25  # progress line every N steps
-  config.eval_every_steps = 0  # evaluate every N steps (0 = only at the end)
+  config.seed = 0                      # PRNG seed: particle init, resampling, data order
+  config.num_train_steps = 300         # train steps (one global batch each)
+  config.num_epochs = 0.0              # if > 0: train this many epochs instead of num_train_steps
+  config.log_every_steps = 25          # progress line every N steps
+  config.eval_every_steps = 0          # evaluate every N steps (0 = only at the end)
   config.checkpoint_every_steps = 100  # save the whole state every N steps and at the end (0 = only at the end,
-  # -1 = never: no resuming)
+                                       # -1 = never: no resuming)
   config.checkpoint_every_minutes = 30.0  # also save when this much wall time passed since the last save (for
-  # sessions that end without a signal, e.g. Colab; 0 = off)
-  config.time_limit_minutes = 0.0  # stop cleanly (save, exit code 75) after this much wall time (0 = none)
-  config.keep_checkpoints = 3  # keep the newest K checkpoints
-  config.async_checkpointing = True  # write checkpoints in the background while training goes on
+                                       # sessions that end without a signal, e.g. Colab; 0 = off)
+  config.time_limit_minutes = 0.0      # stop cleanly (save, exit code 75) after this much wall time (0 = none)
+  config.keep_checkpoints = 3          # keep the newest K checkpoints
+  config.async_checkpointing = True    # write checkpoints in the background while training goes on
 
 
 def _data(config: ml_collections.ConfigDict) -> None:
   """Data: the dataset, the batch, the evaluation sets."""
-  config.dataset = "digits"  # digits (scikit-learn, embedded) | imagenet2012 | cifar10 | cifar100 |
-  # fashion_mnist (TFDS; fashion_mnist from Debian: python -m ipf_jax.data.prepare)
-  config.data_dir = ""  # TFDS data_dir holding the prepared dataset ("" = TFDS default)
-  config.image_size = 224  # TFDS datasets: training/eval crop size
-  config.shuffle_buffer = 16_384  # TFDS datasets: examples in the shuffle buffer
-  config.global_batch_size = 128  # G: examples per step (one update), over all particles and devices
-  config.eval_batch_size = 256  # per eval step (rounded up to a multiple of the devices; padded, masked;
-  # a smaller set is one batch of its own size)
-  config.train_fraction = 1.0  # embedded datasets: train on this fixed random fraction of the train split
-  config.label_noise = 0.0  # embedded datasets: this fraction of train labels replaced by another class
-  config.calibration_fraction = 0.0  # hold out this fraction of the train split (in-memory datasets) to fit
-  # one temperature per ensemble / fused model on it; the final table shows
-  # test NLL, ECE and Brier before and after (0 = off)
-  config.eval_shifts = ""  # shifted test sets for the final evaluation: "" | all | a comma list.
-  # digits: gaussian_noise, blur, rotation, translation, contrast (severities
-  # 1-5; the same on fashion_mnist); cifar10: CIFAR-10-C corruptions, cifar10_1;
-  # imagenet2012: ImageNet-C corruptions, imagenet_v2, imagenet_a, imagenet_r
-  # (prepared TFDS data)
-  config.shift_examples = 0  # > 0: each shifted set (and the in-memory OOD sets) is the first N images of
-  # the test set, not all of it (an evaluation of 25 shifted sets of 10,000
-  # costs 25 test-set evaluations; 0 = all)
-  config.ood_dataset = ""  # out-of-distribution sets for OOD AUROC, comma-separated: "" | photos
-  # (digits: 8x8 patches of scikit-learn's sample photos) | fashion_mnist: digits
-  # (sklearn's, upscaled to 28x28), photos (28x28 patches) | a prepared TFDS
-  # image dataset
+  config.dataset = "digits"            # digits (scikit-learn, embedded) | imagenet2012 | cifar10 | cifar100 |
+                                       # fashion_mnist (TFDS; fashion_mnist from Debian: python -m ipf_jax.data.prepare)
+  config.data_dir = ""                 # TFDS data_dir holding the prepared dataset ("" = TFDS default)
+  config.image_size = 224              # TFDS datasets: training/eval crop size
+  config.shuffle_buffer = 16_384       # TFDS datasets: examples in the shuffle buffer
+  config.global_batch_size = 128       # G: examples per step (one update), over all particles and devices
+  config.eval_batch_size = 256         # per eval step (rounded up to a multiple of the devices; padded, masked;
+                                       # a smaller set is one batch of its own size)
+  config.train_fraction = 1.0          # embedded datasets: train on this fixed random fraction of the train split
+  config.label_noise = 0.0             # embedded datasets: this fraction of train labels replaced by another class
+  config.calibration_fraction = 0.0    # hold out this fraction of the train split (in-memory datasets) to fit
+                                       # one temperature per ensemble / fused model on it; the final table shows
+                                       # test NLL, ECE and Brier before and after (0 = off)
+  config.eval_shifts = ""              # shifted test sets for the final evaluation: "" | all | a comma list.
+                                       # digits: gaussian_noise, blur, rotation, translation, contrast (severities
+                                       # 1-5; the same on fashion_mnist); cifar10: CIFAR-10-C corruptions, cifar10_1;
+                                       # imagenet2012: ImageNet-C corruptions, imagenet_v2, imagenet_a, imagenet_r
+                                       # (prepared TFDS data)
+  config.shift_examples = 0            # > 0: each shifted set (and the in-memory OOD sets) is the first N images of
+                                       # the test set, not all of it (an evaluation of 25 shifted sets of 10,000
+                                       # costs 25 test-set evaluations; 0 = all)
+  config.ood_dataset = ""              # out-of-distribution sets for OOD AUROC, comma-separated: "" | photos
+                                       # (digits: 8x8 patches of scikit-learn's sample photos) | fashion_mnist: digits
+                                       # (sklearn's, upscaled to 28x28), photos (28x28 patches) | a prepared TFDS
+                                       # image dataset
 
 
 def _model(config: ml_collections.ConfigDict) -> None:
   """Model: the model zoo and the compute dtype."""
-  config.model = "cnn"  # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny
+  config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny
   config.cnn_features = (32, 64, 128)  # channels of the cnn's conv stages
-  config.small_inputs = False  # resnets: 3x3 stem without max-pool, for 32x32 images
-  config.remat = False  # resnets: recompute each block in the backward pass (less memory)
-  config.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16 (params and optimizer stay
-  # float32; float16, for GPUs without bfloat16, uses dynamic loss scaling)
-  config.loss_scale_init = 65536.0  # float16: initial loss scale (a power of 2)
+  config.small_inputs = False          # resnets: 3x3 stem without max-pool, for 32x32 images
+  config.remat = False                 # resnets: recompute each block in the backward pass (less memory)
+  config.dtype = "float32"             # compute dtype: float32 | bfloat16 | float16 (params and optimizer stay
+                                       # float32; float16, for GPUs without bfloat16, uses dynamic loss scaling)
+  config.loss_scale_init = 65536.0     # float16: initial loss scale (a power of 2)
   config.loss_scale_growth_interval = 2000  # float16: double the loss scale after this many finite steps
-  config.bn_momentum = 0.9  # BatchNorm running-average momentum
+  config.bn_momentum = 0.9             # BatchNorm running-average momentum
 
 
 def _optimiser(config: ml_collections.ConfigDict) -> None:
   """Optimiser: schedule, SGD, regularisation."""
-  config.base_lr = 0.1  # learning rate at reference_batch_size
-  config.lr_scaling = "linear"  # none | linear | sqrt, on G / reference_batch_size; seed: the seed's rule
-  # base_lr * sqrt(devices * num_particles), whatever the batch
-  config.reference_batch_size = 256  # batch size at which base_lr applies
-  config.warmup_steps = 20  # linear warmup, then cosine decay to 0
-  config.warmup_epochs = 0.0  # if > 0: warmup length in epochs instead of warmup_steps
-  config.label_smoothing = 0.0  # cross-entropy label smoothing
-  config.grad_accum_steps = 1  # k: each step's global batch runs as k micro-batches of G / k (activation
-  # memory of G / k), gradients and losses averaged, then one filter step
-  # and one update (1 = off)
-  config.momentum = 0.9  # SGD momentum
-  config.nesterov = True  # Nesterov momentum
-  config.weight_decay = 1e-4  # L2 on kernels only (not BN, not biases), added before the momentum
-  config.grad_clip_norm = 0.0  # clip each particle's gradient by global norm (0 = off)
+  config.base_lr = 0.1                 # learning rate at reference_batch_size
+  config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size; seed: the seed's rule
+                                       # base_lr * sqrt(devices * num_particles), whatever the batch
+  config.reference_batch_size = 256    # batch size at which base_lr applies
+  config.warmup_steps = 20             # linear warmup, then cosine decay to 0
+  config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
+  config.label_smoothing = 0.0         # cross-entropy label smoothing
+  config.grad_accum_steps = 1          # k: each step's global batch runs as k micro-batches of G / k (activation
+                                       # memory of G / k), gradients and losses averaged, then one filter step
+                                       # and one update (1 = off)
+  config.momentum = 0.9                # SGD momentum
+  config.nesterov = True               # Nesterov momentum
+  config.weight_decay = 1e-4           # L2 on kernels only (not BN, not biases), added before the momentum
+  config.grad_clip_norm = 0.0          # clip each particle's gradient by global norm (0 = off)
 
 
 def _particles(config: ml_collections.ConfigDict) -> None:
   """Particles: the population and the filter (docs/DESIGN.md §3)."""
-  config.mode = "ipf"  # ddp | ensemble | ipf (see README, "Modes")
-  config.num_particles = 8  # P; 1 = plain DDP in any mode
-  config.shared_params = ""  # regex of parameter paths stored once and shared by all particles, e.g.
-  # "^(conv_init|bn_init|stage1_)" (stem + first stage); "" = none
-  config.init = "auto"  # auto | shared | independent: one init for all particles (fusion needs it)
-  # or one per particle (deep ensemble); auto = independent in ensemble mode
-  config.temperature = 10.0  # tau >= 0: log w <- rho log w - tau loss (10: best fused model and NLL
-  # in the digits study, BENCHMARKS.md)
-  config.forgetting = 0.9  # rho in [0, 1]: memory of past losses in the weights (0: this step's loss
-  # only, the seed's rule w = softmax(-tau loss))
-  config.weigh_on = "own"  # own: a particle's weight from its loss on its own examples | common: from
-  # its loss on common_examples of every particle's examples, the same for
-  # all (a forward pass on P x common_examples more examples per particle)
-  config.common_examples = 2  # weigh_on=common: examples taken from each particle's part of the batch
-  config.ess_target = 0.0  # > 0: each step, tau_t = the largest tau <= temperature whose reweighting
-  # keeps ESS >= ess_target * P (bisection, as adaptive tempered SMC; 0 = off)
-  config.correction = 0.5  # lambda in [0, 1]: pull towards the weighted consensus gradient
-  config.elastic_pull = 0.0  # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
-  # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
-  config.ess_threshold = 0.5  # resample when ESS < ess_threshold * P (islands: any island's ESS
-  # below ess_threshold * P / islands)
-  config.islands = 1  # G dividing P: groups of P / G particles, each weighed (an equal share of
-  # the total) and resampled within itself, so G lineages survive (1 = one
-  # population; G = P: equal weights, culled members replaced)
-  config.resample_every = 0  # also resample every N steps (0 = only on low ESS)
-  config.compress_correction = False  # exchange the consensus gradient as int8 blocks with error feedback
-  config.jitter = 0.0  # sigma of Gaussian noise added to resampled copies
-  config.jitter_lr = 0.0  # plus this times the step's learning rate (resample-move noise that
-  # shrinks with the schedule; 0 = off)
-  config.resample_exchange = "auto"  # how resampled particles move between devices: all_to_all (one
-  # collective of P particles) | rounds (one-particle ppermute rounds,
-  # only those needed) | auto (= rounds, measured: BENCHMARKS.md "Scaling")
-  config.fused_bn_batches = 0  # > 0: re-estimate the fused model's BatchNorm statistics on this many
-  # train batches before evaluating and exporting it (0 = weighted average)
+  config.mode = "ipf"                  # ddp | ensemble | ipf (see README, "Modes")
+  config.num_particles = 8             # P; 1 = plain DDP in any mode
+  config.shared_params = ""            # regex of parameter paths stored once and shared by all particles, e.g.
+                                       # "^(conv_init|bn_init|stage1_)" (stem + first stage); "" = none
+  config.init = "auto"                 # auto | shared | independent: one init for all particles (fusion needs it)
+                                       # or one per particle (deep ensemble); auto = independent in ensemble mode
+  config.temperature = 10.0            # tau >= 0: log w <- rho log w - tau loss (10: best fused model and NLL
+                                       # in the digits study, BENCHMARKS.md)
+  config.forgetting = 0.9              # rho in [0, 1]: memory of past losses in the weights (0: this step's loss
+                                       # only, the seed's rule w = softmax(-tau loss))
+  config.weigh_on = "own"              # own: a particle's weight from its loss on its own examples | common: from
+                                       # its loss on common_examples of every particle's examples, the same for
+                                       # all (a forward pass on P x common_examples more examples per particle)
+  config.common_examples = 2           # weigh_on=common: examples taken from each particle's part of the batch
+  config.ess_target = 0.0              # > 0: each step, tau_t = the largest tau <= temperature whose reweighting
+                                       # keeps ESS >= ess_target * P (bisection, as adaptive tempered SMC; 0 = off)
+  config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
+  config.elastic_pull = 0.0            # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
+                                       # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
+  config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P (islands: any island's ESS
+                                       # below ess_threshold * P / islands)
+  config.islands = 1                   # G dividing P: groups of P / G particles, each weighed (an equal share of
+                                       # the total) and resampled within itself, so G lineages survive (1 = one
+                                       # population; G = P: equal weights, culled members replaced)
+  config.resample_every = 0            # also resample every N steps (0 = only on low ESS)
+  config.compress_correction = False   # exchange the consensus gradient as int8 blocks with error feedback
+  config.jitter = 0.0                  # sigma of Gaussian noise added to resampled copies
+  config.jitter_lr = 0.0               # plus this times the step's learning rate (resample-move noise that
+                                       # shrinks with the schedule; 0 = off)
+  config.resample_exchange = "auto"    # how resampled particles move between devices: all_to_all (one
+                                       # collective of P particles) | rounds (one-particle ppermute rounds,
+                                       # only those needed) | auto (= rounds, measured: BENCHMARKS.md "Scaling")
+  config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
+                                       # train batches before evaluating and exporting it (0 = weighted average)
 
-  config.particle_loop = "auto"  # vmap | map | unroll | auto (measured best: unroll on GPUs, else vmap)
+  config.particle_loop = "auto"        # vmap | map | unroll | auto (measured best: unroll on GPUs, else vmap)
 
 
 def _devices(config: ml_collections.ConfigDict) -> None:
   """Devices: the mesh (docs/DESIGN.md §2)."""
-  config.num_devices = 0  # devices to use (0 = all)
-  config.particle_axis_size = 0  # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
-  config.num_cpu_devices = 0  # on a CPU-only host, split the CPU into N devices (0 = leave)
+  config.num_devices = 0               # devices to use (0 = all)
+  config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
+  config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)
