@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,3 +113,69 @@ def test_weight_decay_on_kernels_only_and_nesterov_momentum_by_hand():
       hand_p[k] = hand_p[k] - lr * (d + mu * velocity[k])
   for k in hand_p:
     np.testing.assert_allclose(params[k], hand_p[k], rtol=1e-6)
+
+
+def _two_steps(config, lr, params, grads):
+  tx = optim.create_optimizer(config, lambda step: lr)
+  state = tx.init(params)
+  for _ in range(2):
+    updates, state = tx.update(grads, state, params)
+    params = {k: params[k] + updates[k] for k in params}
+  return params, state
+
+
+PARAMS = {"bias": jnp.array([1.0, -1.0]), "kernel": jnp.array([[2.0], [0.5]])}
+GRADS = {"bias": jnp.array([0.5, 0.25]), "kernel": jnp.array([[1.0], [-1.0]])}
+
+
+def test_adamw_by_hand_with_decay_on_kernels_only():
+  """Two steps of AdamW: bias-corrected moments, theta -= lr (m / (sqrt(v) + eps) + wd theta), the decay on
+  ndim > 1 leaves only."""
+  lr, b1, b2, eps, wd = 0.1, 0.8, 0.9, 1e-3, 0.05
+  config = helpers.tiny_config(optimizer="adamw", b1=b1, b2=b2, eps=eps, weight_decay=wd)
+  params, _ = _two_steps(config, lr, PARAMS, GRADS)
+  for k in PARAMS:
+    p, g = np.asarray(PARAMS[k], np.float64), np.asarray(GRADS[k], np.float64)
+    m = v = 0.0
+    for t in (1, 2):
+      m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+      step = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+      p = p - lr * (step + (wd * p if k == "kernel" else 0.0))
+    np.testing.assert_allclose(params[k], p, rtol=1e-5)
+
+
+def test_lion_by_hand_and_its_first_moment_in_bfloat16():
+  """Two steps of Lion: theta -= lr (sign(b1 m + (1 - b1) g) + wd theta), then m <- b2 m + (1 - b2) g; with
+  mu_dtype=bfloat16 the moment is stored in bfloat16."""
+  lr, b1, b2, wd = 0.1, 0.9, 0.99, 0.05
+  config = helpers.tiny_config(optimizer="lion", b1=b1, b2=b2, weight_decay=wd, mu_dtype="bfloat16")
+  params, state = _two_steps(config, lr, PARAMS, GRADS)
+  for k in PARAMS:
+    p, g = np.asarray(PARAMS[k], np.float64), np.asarray(GRADS[k], np.float64)
+    m = 0.0
+    for _ in (1, 2):
+      p = p - lr * (np.sign(b1 * m + (1 - b1) * g) + (wd * p if k == "kernel" else 0.0))
+      m = b2 * m + (1 - b2) * g
+    np.testing.assert_allclose(params[k], p, rtol=1e-5)
+  moments = [x for x in jax.tree.leaves(state) if getattr(x, "ndim", 0) >= 1]
+  assert moments and all(x.dtype == jnp.bfloat16 for x in moments), [x.dtype for x in moments]
+
+
+def test_lamb_scales_each_leaf_by_its_trust_ratio():
+  """One step of LAMB: u = m / (sqrt(v) + eps) + wd theta (kernels), theta -= lr ||theta|| / ||u|| u per leaf."""
+  lr, b1, b2, eps, wd = 0.1, 0.9, 0.999, 1e-6, 0.01
+  config = helpers.tiny_config(optimizer="lamb", b1=b1, b2=b2, eps=eps, weight_decay=wd)
+  tx = optim.create_optimizer(config, lambda step: lr)
+  updates, _ = tx.update(GRADS, tx.init(PARAMS), PARAMS)
+  for k in PARAMS:
+    p, g = np.asarray(PARAMS[k], np.float64), np.asarray(GRADS[k], np.float64)
+    u = g / (np.abs(g) + eps) + (wd * p if k == "kernel" else 0.0)  # first step: m / sqrt(v) = g / |g|
+    np.testing.assert_allclose(updates[k], -lr * np.linalg.norm(p) / np.linalg.norm(u) * u, rtol=1e-5)
+
+
+def test_the_checkpoint_names_the_optimizer_with_its_fields():
+  adamw = helpers.tiny_config(optimizer="adamw", mu_dtype="bfloat16", weight_decay=0.1)
+  assert optim.builtin_name(adamw) == "adamw(b1=0.9, b2=0.999, eps=1e-08, mu_dtype=bfloat16, weight_decay=0.1)"
+  assert optim.builtin_name(helpers.tiny_config(momentum=0.9, nesterov=True, weight_decay=0.0005)) == (
+    "sgd(momentum=0.9, nesterov=True, weight_decay=0.0005)"
+  )

@@ -1,6 +1,7 @@
 """The SPMD train step against the plain reference (tests/reference.py) on several meshes."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -96,6 +97,29 @@ def test_ipf_step_matches_reference(dp, dd, p):
   if p > 1:
     assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
   assert_same_run(s, ref, spmd, refr)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])  # lamb and lion: by hand in test_optim
+def test_each_optimizer_moves_its_state_with_its_particle(optimizer):
+  """config.optimizer's state (Adam's moments in bfloat16, Adafactor's factored second moments) is
+  resampled with its particle: the step against the plain-loop reference, which copies each ancestor's
+  optimizer state by hand, on a (4, 2) mesh resampling on most steps."""
+  config = helpers.tiny_config(
+    num_particles=8,
+    temperature=4.0,
+    forgetting=0.8,
+    correction=0.5,
+    ess_threshold=0.9,
+    optimizer=optimizer,
+    base_lr=0.01,
+    weight_decay=0.01,
+    mu_dtype="bfloat16" if optimizer in ("adamw", "lion") else "",
+  )
+  s, ref, spmd, refr = run_both(config, 4, 2, num_steps=4)
+  assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
+  assert_same_run(s, ref, spmd, refr, atol=4e-5)
+  if config.mu_dtype:
+    assert {x.dtype for x in jax.tree.leaves(s.state.opt_state) if x.ndim > 1} >= {jnp.dtype("bfloat16")}
 
 
 @pytest.mark.parametrize("dp,dd,p,loop", [(4, 2, 8, "vmap"), (2, 4, 4, "map"), (8, 1, 16, "unroll"), (4, 2, 16, "map")])

@@ -49,10 +49,12 @@ class Parts:
 
 def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
   """Classification with the zoo model ``config.model`` (SyncBN over ``"data"``) and ``label_smoothing``."""
-  from ipf_jax.models import create_model
+  from ipf_jax import models
 
   return classification(
-    create_model(config, num_classes, bn_axis_name=mesh_lib.DATA), label_smoothing=config.label_smoothing
+    models.create_model(config, num_classes, bn_axis_name=mesh_lib.DATA),
+    label_smoothing=config.label_smoothing,
+    rngs=models.rngs(config),
   )
 
 
@@ -65,6 +67,7 @@ def build(
   spec: Optional[ParticleSpec] = None,
   optimizer: Optional[optim.Optimizer] = None,
   exchange: Optional[pf.Exchange] = None,
+  tx: Optional[optax.GradientTransformation] = None,
 ) -> Parts:
   """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
 
@@ -73,11 +76,16 @@ def build(
     steps_per_epoch: for ``num_epochs`` / ``warmup_epochs``.
     devices: default ``jax.devices()[:config.num_devices or all]``.
     spec: override of ``validation.particle_spec(config)`` (benchmarks isolate parts of the step).
-    optimizer: ``lr_fn -> optax.GradientTransformation`` for one particle, e.g.
-      ``lambda lr: optax.adamw(lr, weight_decay=0.05)``; default the config's SGD (``optim.create_optimizer``).
+    optimizer: one particle's optimizer as a function of the run's schedule, ``lr_fn ->
+      optax.GradientTransformation`` (e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``), or any
+      ``optax.GradientTransformation`` with its own schedule; default the config's (``config.optimizer``,
+      ``optim.create_optimizer``).
     exchange: how resampled particles move (``particle_filter.Exchange``, e.g. ``functools.partial(
       particle_filter.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
+    tx: the same as ``optimizer=tx``, for a transformation. A transformation brings its own schedule, so the
+      step's ``lr`` metric (the config's schedule) is left out unless ``jitter_lr`` needs the schedule.
   """
+  optimizer = optim.given(optimizer, tx)
   if devices is None:
     validation.setup_devices(config)
   devices = list(devices or jax.devices()[: config.num_devices or jax.device_count()])
@@ -105,7 +113,9 @@ def build(
     tx=tx,
     abstract_state=abstract,
     init_state=init,
-    train_step=step_lib.make_train_step(task, tx, spec, mesh, lr_fn, exchange),
+    train_step=step_lib.make_train_step(
+      task, tx, spec, mesh, optim.reported_schedule(lr_fn, optimizer, spec), exchange
+    ),
     eval_step=eval_step.make_eval_step(task, mesh, spec.particle_loop),
     fuse=fusion.make_fuse_fn(mesh),
     diversity=fusion.make_diversity_fn(mesh),

@@ -68,9 +68,15 @@ def _data(config: ml_collections.ConfigDict) -> None:
 def _model(config: ml_collections.ConfigDict) -> None:
   """Model: the model zoo and the compute dtype."""
   config.model = "cnn"                 # cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | resnet_tiny
+                                       # | vit_ti16 | vit_s16 | vit_b16 | vit_l16 | vit_h14 | vit_g14
   config.cnn_features = (32, 64, 128)  # channels of the cnn's conv stages
   config.small_inputs = False          # resnets: 3x3 stem without max-pool, for 32x32 images
-  config.remat = False                 # resnets: recompute each block in the backward pass (less memory)
+  config.remat = False                 # resnets, vits: recompute each block in the backward pass (less memory)
+  config.vit_patch_size = 0            # vits: patch size (0 = the name's: 16 for vit_b16; e.g. 4 on 28x28)
+  config.vit_pool = "tok"              # vits: tok (a class token, the original ViT) | gap (mean over tokens)
+  config.vit_posemb = "learn"          # vits: learn | sincos2d (fixed 2-d sin-cos, big_vision's i1k recipe)
+  config.dropout = 0.0                 # vits: dropout after attention, in the MLP and on the embeddings
+  config.stochastic_depth = 0.0        # vits: the last block's residual drop rate, rising linearly from 0
   config.dtype = "float32"             # compute dtype: float32 | bfloat16 | float16 (params and optimizer stay
                                        # float32; float16, for GPUs without bfloat16, uses dynamic loss scaling)
   config.loss_scale_init = 65536.0     # float16: initial loss scale (a power of 2)
@@ -79,7 +85,7 @@ def _model(config: ml_collections.ConfigDict) -> None:
 
 
 def _optimiser(config: ml_collections.ConfigDict) -> None:
-  """Optimiser: schedule, SGD, regularisation."""
+  """Optimiser: schedule, the optimizer and its fields, regularisation."""
   config.base_lr = 0.1                 # learning rate at reference_batch_size
   config.lr_scaling = "linear"         # none | linear | sqrt, on G / reference_batch_size; seed: the seed's rule
                                        # base_lr * sqrt(devices * num_particles), whatever the batch
@@ -90,9 +96,19 @@ def _optimiser(config: ml_collections.ConfigDict) -> None:
   config.grad_accum_steps = 1          # k: each step's global batch runs as k micro-batches of G / k (activation
                                        # memory of G / k), gradients and losses averaged, then one filter step
                                        # and one update (1 = off)
-  config.momentum = 0.9                # SGD momentum
-  config.nesterov = True               # Nesterov momentum
-  config.weight_decay = 1e-4           # L2 on kernels only (not BN, not biases), added before the momentum
+  config.optimizer = "sgd"             # one particle's: sgd | adamw | lamb | lion | adafactor (optax's); any
+                                       # other optax transformation through the library (build(..., tx=...))
+  config.momentum = 0.9                # sgd: momentum
+  config.nesterov = True               # sgd: Nesterov momentum
+  config.b1 = 0.9                      # adamw, lamb: first-moment decay; lion: its update's interpolation
+  config.b2 = 0.999                    # adamw, lamb: second-moment decay; lion: its momentum's decay (its
+                                       # paper's 0.99)
+  config.eps = 1e-8                    # adamw, lamb: added to the denominator
+  config.mu_dtype = ""                 # adamw, lion: the first moment's dtype ("" = the parameters'; bfloat16
+                                       # halves its memory, as big_vision's ViT recipe does)
+  config.weight_decay = 1e-4           # on kernels only (not BN, not biases, not embeddings' 1-d leaves). sgd:
+                                       # L2, wd * theta added before the momentum; adamw, lamb, lion: decoupled,
+                                       # theta -= lr * wd * theta (optax's); adafactor: its weight_decay_rate
   config.grad_clip_norm = 0.0          # clip each particle's gradient by global norm (0 = off)
 
 

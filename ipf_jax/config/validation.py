@@ -16,6 +16,7 @@ import ml_collections
 from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.spmd import mesh as mesh_lib
+from ipf_jax.spmd.optim import OPTIMIZERS
 from ipf_jax.spmd.spec import ParticleSpec
 
 MODES = ("ddp", "ensemble", "ipf")
@@ -216,6 +217,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   _check(config.reference_batch_size >= 1, "reference_batch_size", f"must be >= 1, got {config.reference_batch_size}")
   _check(config.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {config.warmup_steps}")
   _check(0 <= config.momentum < 1, "momentum", f"must be in [0, 1), got {config.momentum}")
+  _validate_optimizer(config)
+  _validate_vit(config)
   _check(config.weight_decay >= 0, "weight_decay", f"must be >= 0, got {config.weight_decay}")
   scale = config.loss_scale_init
   _check(
@@ -230,6 +233,33 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
     f"must be an integer >= 1 (e.g. 2000), got {interval!r}",
   )
   _check(config.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {config.grad_clip_norm}")
+
+
+def _validate_vit(config: ml_collections.ConfigDict) -> None:
+  """The ViT fields (they apply to ``vit_*`` models; the others ignore them)."""
+  _check_choice(config, "vit_pool", ("tok", "gap"))
+  _check_choice(config, "vit_posemb", ("learn", "sincos2d"))
+  _check(
+    isinstance(config.vit_patch_size, int) and config.vit_patch_size >= 0,
+    "vit_patch_size",
+    f"must be an integer >= 0 (0 = the model name's), got {config.vit_patch_size!r}",
+  )
+  for field in ("dropout", "stochastic_depth"):
+    _check(0 <= config[field] < 1, field, f"must be in [0, 1), got {config[field]}")
+
+
+def _validate_optimizer(config: ml_collections.ConfigDict) -> None:
+  """``optimizer`` and the fields of the Adam family."""
+  _check_choice(config, "optimizer", OPTIMIZERS)
+  for field in ("b1", "b2"):
+    _check(0 <= config[field] < 1, field, f"must be in [0, 1), got {config[field]}")
+  _check(config.eps > 0, "eps", f"must be > 0, got {config.eps}")
+  _check_choice(config, "mu_dtype", ("", "bfloat16", "float32"))
+  _check(
+    not config.mu_dtype or config.optimizer in ("adamw", "lion"),
+    "mu_dtype",
+    f"applies to optimizer='adamw' or 'lion' (their first moment), not {config.optimizer!r}; set it to ''",
+  )
 
 
 def _validate_run(config: ml_collections.ConfigDict) -> None:

@@ -1,8 +1,8 @@
-"""The model zoo: ``create_model(config, num_classes, bn_axis_name)`` builds the CNN or a ResNet (18 to 200)
-named by ``config.model``, and ``model_from_fields`` rebuilds one from the fields an export records. Plain
-Flax Linen modules written for one particle and one device's batch; BatchNorm averages over the axis it is
-given (``"data"``: SyncBN within a particle's group). Any other Flax module, Linen or NNX, works too
-(``ipf_jax.Task``)."""
+"""The model zoo: ``create_model(config, num_classes, bn_axis_name)`` builds the CNN, a ResNet (18 to 152) or
+a Vision Transformer (``vit_ti16`` to ``vit_g14``, big_vision's) named by ``config.model``, and
+``model_from_fields`` rebuilds one from the fields an export records. Plain Flax Linen modules written for one
+particle and one device's batch; BatchNorm averages over the axis it is given (``"data"``: SyncBN within a
+particle's group). Any other Flax module, Linen or NNX, works too (``ipf_jax.Task``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from ipf_jax.errors import ConfigError
-from ipf_jax.models import resnet
+from ipf_jax.models import resnet, vit
 from ipf_jax.models.cnn import CNN
 
 RESNETS = {
@@ -22,9 +22,37 @@ RESNETS = {
   "resnet152": resnet.ResNet152,
   "resnet_tiny": resnet.ResNetTiny,
 }
-MODELS = ("cnn",) + tuple(RESNETS)
+MODELS = ("cnn",) + tuple(RESNETS) + tuple(vit.VARIANTS)
 # The config fields that rebuild a zoo model (an export stores them with the number of classes).
-MODEL_FIELDS = ("model", "cnn_features", "small_inputs", "dtype", "bn_momentum")
+MODEL_FIELDS = (
+  "model",
+  "cnn_features",
+  "small_inputs",
+  "dtype",
+  "bn_momentum",
+  "vit_patch_size",
+  "vit_pool",
+  "vit_posemb",
+  "dropout",
+  "stochastic_depth",
+  "remat",
+)
+# Fields added after exports were first written, with the value those exports were made with.
+_DEFAULTS = {
+  "vit_patch_size": 0,
+  "vit_pool": "tok",
+  "vit_posemb": "learn",
+  "dropout": 0.0,
+  "stochastic_depth": 0.0,
+  "remat": False,
+}
+
+
+def rngs(config) -> tuple:
+  """The random streams the zoo model draws in train mode: ``dropout`` for a ViT with dropout or stochastic
+  depth, else none."""
+  random = config.get("dropout", 0.0) or config.get("stochastic_depth", 0.0)
+  return ("dropout",) if config["model"] in vit.VARIANTS and random else ()
 
 
 def create_model(config, num_classes: int, bn_axis_name: Optional[str] = None):
@@ -48,12 +76,26 @@ def create_model(config, num_classes: int, bn_axis_name: Optional[str] = None):
       small_inputs=config["small_inputs"],
       remat=config.get("remat", False),
     )
+  if name in vit.VARIANTS:
+    get = lambda k: config.get(k, _DEFAULTS[k])
+    return vit.create(
+      name,
+      num_classes,
+      patch_size=get("vit_patch_size") or None,
+      posemb=get("vit_posemb"),
+      pool=get("vit_pool"),
+      dropout=get("dropout"),
+      stochastic_depth=get("stochastic_depth"),
+      remat=get("remat"),
+      dtype=dtype,
+    )
   raise ConfigError("model", f"unknown model {name!r}; use one of {', '.join(MODELS)}")
 
 
 def model_fields(config, num_classes: int) -> dict:
   """What ``model_from_fields`` needs to rebuild ``create_model(config, num_classes)``."""
-  fields = {k: (list(config[k]) if isinstance(config[k], tuple) else config[k]) for k in MODEL_FIELDS}
+  value = lambda k: config[k] if k in config else _DEFAULTS[k]
+  fields = {k: (list(value(k)) if isinstance(value(k), tuple) else value(k)) for k in MODEL_FIELDS}
   return {**fields, "num_classes": num_classes}
 
 

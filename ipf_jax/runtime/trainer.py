@@ -13,6 +13,7 @@ from typing import Optional
 import jax
 import ml_collections
 import numpy as np
+import optax
 
 from ipf_jax import files
 from ipf_jax.config import builder as build_lib
@@ -330,15 +331,17 @@ def train_and_evaluate(
   data=None,
   step_hook=None,
   optimizer: Optional[optim.Optimizer] = None,
+  tx: Optional[optax.GradientTransformation] = None,
 ) -> dict:
   """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
 
   ``task`` (default: classification with the zoo model ``config.model``) and ``data`` (default:
   ``create_dataset(config)``; any object with ``train_batches``, ``eval_batches``,
   ``steps_per_epoch``, ``train_size``, ``test_size``, ``example``, ``name``, see ``ipf_jax.data``)
-  are what a library user brings; so is ``optimizer`` (``lr_fn -> optax.GradientTransformation`` for one
-  particle, e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``; default the config's SGD), whose name
-  and state kind each checkpoint records.
+  are what a library user brings; so is one particle's optimizer: ``optimizer=`` a function of the run's
+  schedule (``lr_fn -> optax.GradientTransformation``, e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``)
+  or ``tx=`` any ``optax.GradientTransformation``; default ``config.optimizer``. Each checkpoint records the
+  optimizer's name and state kind.
 
   Resumes from the newest usable checkpoint in ``workdir/checkpoints``. SIGTERM,
   SIGINT and ``time_limit_minutes`` stop it after the step in flight with a
@@ -348,7 +351,7 @@ def train_and_evaluate(
   """
   validation.setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
   with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
-    run = _Run(config, workdir, task=task, data=data, optimizer=optimizer)
+    run = _Run(config, workdir, task=task, data=data, optimizer=optim.given(optimizer, tx))
     try:
       return _train(run, control, step_hook)
     finally:

@@ -48,34 +48,60 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
+OPTIMIZERS = ("sgd", "adamw", "lamb", "lion", "adafactor")
+
+
+def _core(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -> list[optax.GradientTransformation]:
+  """``config.optimizer`` from optax, its weight decay on kernels only (``_decay_mask``)."""
+  wd, mask = config.weight_decay, _decay_mask
+  mu_dtype = jnp.dtype(config.mu_dtype) if config.mu_dtype else None
+  name = config.optimizer
+  if name == "sgd":
+    sgd = optax.sgd(lr_fn, momentum=config.momentum or None, nesterov=config.nesterov and bool(config.momentum))
+    return ([optax.add_decayed_weights(wd, mask=mask)] if wd else []) + [sgd]
+  if name == "adamw":
+    return [optax.adamw(lr_fn, config.b1, config.b2, config.eps, mu_dtype=mu_dtype, weight_decay=wd, mask=mask)]
+  if name == "lamb":
+    return [optax.lamb(lr_fn, config.b1, config.b2, config.eps, weight_decay=wd, mask=mask)]
+  if name == "lion":
+    return [optax.lion(lr_fn, config.b1, config.b2, mu_dtype=mu_dtype, weight_decay=wd, mask=mask)]
+  if name == "adafactor":
+    return [optax.adafactor(lr_fn, weight_decay_rate=wd or None, weight_decay_mask=mask)]
+  raise ValueError(f"config.optimizer: unknown {name!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
 def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -> optax.GradientTransformation:
-  """SGD with (Nesterov) momentum, L2 weight decay on kernels (``wd * theta`` added to the direction
-  before the momentum, as PyTorch's and flax's ImageNet SGD do; not decoupled) and optional clipping of
-  each particle's direction ``d_i`` by its global norm.
+  """``config.optimizer`` with the run's schedule ``lr_fn``, after optional clipping of each particle's
+  direction ``d_i`` by its global norm. ``sgd`` (the default): (Nesterov) momentum with L2 weight decay on
+  kernels (``wd * theta`` added to the direction before the momentum, as PyTorch's and flax's ImageNet SGD do;
+  not decoupled); ``adamw``, ``lamb``, ``lion``: optax's, with decoupled weight decay on kernels;
+  ``adafactor``: optax's, factored second moments.
 
-  One particle's optimizer: the train step vmaps it over the particle axis. Gradient accumulation
-  (``grad_accum_steps``) happens inside the train step, before the filter (``step.accumulate``).
+  One particle's optimizer: the train step vmaps it over the particle axis, and its state moves with its
+  particle in resampling. Gradient accumulation (``grad_accum_steps``) happens inside the train step, before
+  the filter (``step.accumulate``).
   """
-  parts = []
-  if config.grad_clip_norm:
-    parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
-  if config.weight_decay:
-    parts.append(optax.add_decayed_weights(config.weight_decay, mask=_decay_mask))
-  parts.append(optax.sgd(lr_fn, momentum=config.momentum or None, nesterov=config.nesterov and bool(config.momentum)))
-  return optax.chain(*parts)
+  clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm else []
+  return optax.chain(*clip, *_core(config, lr_fn))  # sgd's chain as before there was a choice: checkpoints fit
 
 
-Optimizer = Callable[[optax.Schedule], optax.GradientTransformation]  # the run's schedule -> one particle's tx
+# A library user's optimizer for one particle: the run's schedule -> a transformation, or a transformation.
+Optimizer = Callable[[optax.Schedule], optax.GradientTransformation] | optax.GradientTransformation
 
 
 def builtin_name(config: ml_collections.ConfigDict) -> str:
   """The built-in optimizer in words, e.g. ``sgd(momentum=0.9, nesterov=True, weight_decay=0.0005)``."""
-  parts = [
-    f"momentum={config.momentum}",
-    f"nesterov={bool(config.nesterov and config.momentum)}",
-    f"weight_decay={config.weight_decay}",
-  ] + ([f"grad_clip_norm={config.grad_clip_norm}"] if config.grad_clip_norm else [])
-  return f"sgd({', '.join(parts)})"
+  name = config.optimizer
+  if name == "sgd":
+    parts = [f"momentum={config.momentum}", f"nesterov={bool(config.nesterov and config.momentum)}"]
+  elif name == "adafactor":
+    parts = []
+  else:
+    parts = [f"b1={config.b1}", f"b2={config.b2}"] + ([f"eps={config.eps}"] if name != "lion" else [])
+    parts += [f"mu_dtype={config.mu_dtype}"] if config.mu_dtype else []
+  parts.append(f"weight_decay={config.weight_decay}")
+  parts += [f"grad_clip_norm={config.grad_clip_norm}"] if config.grad_clip_norm else []
+  return f"{name}({', '.join(parts)})"
 
 
 def _callable_name(fn) -> str:
@@ -120,9 +146,29 @@ def optimizer_record(config: ml_collections.ConfigDict, optimizer: Optional[Opti
 def make_optimizer(
   config: ml_collections.ConfigDict, lr_fn: optax.Schedule, optimizer: Optional[Optimizer] = None
 ) -> optax.GradientTransformation:
-  """``optimizer(lr_fn)`` (a library user's, e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``), else the
-  built-in ``create_optimizer``."""
-  return create_optimizer(config, lr_fn) if optimizer is None else optimizer(lr_fn)
+  """A library user's ``optimizer``: ``optimizer(lr_fn)`` for a function of the run's schedule (e.g.
+  ``lambda lr: optax.adamw(lr, weight_decay=0.05)``), or an ``optax.GradientTransformation`` as given (its own
+  schedule); else the config's (``create_optimizer``)."""
+  if optimizer is None:
+    return create_optimizer(config, lr_fn)
+  return optimizer if isinstance(optimizer, optax.GradientTransformation) else optimizer(lr_fn)
+
+
+def given(optimizer: Optional[Optimizer], tx: Optional[optax.GradientTransformation]) -> Optional[Optimizer]:
+  """The one optimizer a library call was given, as ``optimizer=`` or ``tx=``."""
+  if optimizer is not None and tx is not None:
+    raise ValueError(
+      "give the optimizer once: optimizer=... (a function of the schedule, or a transformation) or "
+      "tx=... (a transformation), not both"
+    )
+  return tx if tx is not None else optimizer
+
+
+def reported_schedule(lr_fn: optax.Schedule, optimizer: Optional[Optimizer], spec) -> Optional[optax.Schedule]:
+  """The schedule the train step reports as ``lr`` (and ``jitter_lr`` scales with): the run's, unless the
+  optimizer is a transformation with its own (then ``None``, where ``jitter_lr`` does not need it)."""
+  own = isinstance(optimizer, optax.GradientTransformation)
+  return None if own and not spec.jitter_lr else lr_fn
 
 
 def create_dynamic_scale(config: ml_collections.ConfigDict) -> dynamic_scale.DynamicScale | None:

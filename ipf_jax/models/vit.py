@@ -1,0 +1,196 @@
+"""The plain Vision Transformer (Dosovitskiy et al. 2021), as big_vision's ``models/vit.py`` writes it.
+
+Patches of ``patch_size`` embedded by one strided convolution, a position embedding (learned, or fixed 2-d
+sin-cos), an optional class token, ``depth`` pre-LayerNorm encoder blocks (multi-head self-attention, then a
+GELU MLP of ``mlp_dim``; dropout after each and stochastic depth on each residual branch), a final
+LayerNorm, the pooled representation (``gap``: the mean over tokens; ``tok``: the class token) and a linear
+head initialised to zeros. Parameters are float32; ``dtype`` is the compute dtype (bfloat16 on accelerators).
+``remat`` recomputes each block in the backward pass. No BatchNorm: a particle's statistics are its
+parameters only.
+
+The sizes are big_vision's ``decode_variant``: Ti, S, B, L, H, g; ``vit_b16`` with a class token and a
+learned position embedding has 86,567,656 parameters at 1,000 classes and 224 x 224 images (the original
+ViT-B/16; ``tests/test_models.py`` counts them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# name: (width, depth, mlp_dim, heads)
+SIZES = {
+  "ti": (192, 12, 768, 3),
+  "s": (384, 12, 1536, 6),
+  "b": (768, 12, 3072, 12),
+  "l": (1024, 24, 4096, 16),
+  "h": (1280, 32, 5120, 16),
+  "g": (1408, 40, 6144, 16),
+}
+# The zoo's names: size and patch size (``config.vit_patch_size`` overrides the patch, e.g. 4 on 28 x 28).
+VARIANTS = {
+  "vit_ti16": ("ti", 16),
+  "vit_s16": ("s", 16),
+  "vit_b16": ("b", 16),
+  "vit_l16": ("l", 16),
+  "vit_h14": ("h", 14),
+  "vit_g14": ("g", 14),
+}
+
+
+def posemb_sincos_2d(h: int, w: int, width: int, temperature: float = 10_000.0, dtype=jnp.float32):
+  """The fixed 2-d sin-cos position embedding ``[1, h * w, width]`` (big_vision's, MoCo v3's)."""
+  if width % 4:
+    raise ValueError(f"a sincos2d position embedding needs a width divisible by 4, got {width}")
+  y, x = np.mgrid[:h, :w]
+  omega = 1.0 / temperature ** (np.arange(width // 4) / max(width // 4 - 1, 1))
+  y = np.einsum("m,d->md", y.flatten(), omega)
+  x = np.einsum("m,d->md", x.flatten(), omega)
+  return jnp.asarray(np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)[None], dtype)
+
+
+class MlpBlock(nn.Module):
+  mlp_dim: int
+  dropout: float = 0.0
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    inits = dict(kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6))
+    d = x.shape[-1]
+    x = nn.gelu(nn.Dense(self.mlp_dim, dtype=self.dtype, **inits)(x))
+    x = nn.Dropout(rate=self.dropout)(x, deterministic)
+    return nn.Dense(d, dtype=self.dtype, **inits)(x)
+
+
+def _drop_path(x, rate: float, deterministic: bool, module: nn.Module):
+  """Stochastic depth: the residual branch ``x`` of a whole example dropped with probability ``rate``
+  (the survivors scaled by ``1 / (1 - rate)``), from the ``dropout`` stream."""
+  if deterministic or not rate:
+    return x
+  keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, (x.shape[0],) + (1,) * (x.ndim - 1))
+  return jnp.where(keep, x / (1.0 - rate), 0)
+
+
+class Encoder1DBlock(nn.Module):
+  """Pre-LayerNorm block: ``x + attention(LN(x))``, then ``x + MLP(LN(x))``."""
+
+  mlp_dim: int
+  num_heads: int
+  dropout: float = 0.0
+  drop_path: float = 0.0
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    y = nn.LayerNorm(dtype=self.dtype)(x)
+    y = nn.MultiHeadDotProductAttention(
+      num_heads=self.num_heads,
+      kernel_init=nn.initializers.xavier_uniform(),
+      deterministic=deterministic,
+      dtype=self.dtype,
+    )(y, y)
+    y = nn.Dropout(rate=self.dropout)(y, deterministic)
+    x = x + _drop_path(y, self.drop_path, deterministic, self)
+    y = nn.LayerNorm(dtype=self.dtype)(x)
+    y = MlpBlock(mlp_dim=self.mlp_dim, dropout=self.dropout, dtype=self.dtype)(y, deterministic)
+    y = nn.Dropout(rate=self.dropout)(y, deterministic)
+    return x + _drop_path(y, self.drop_path, deterministic, self)
+
+
+class Encoder(nn.Module):
+  """``depth`` blocks, then the final LayerNorm (big_vision's ``Transformer`` scope and names)."""
+
+  depth: int
+  mlp_dim: int
+  num_heads: int
+  dropout: float = 0.0
+  stochastic_depth: float = 0.0
+  remat: bool = False
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    block = nn.remat(Encoder1DBlock, static_argnums=(2,)) if self.remat else Encoder1DBlock
+    for i in range(self.depth):
+      rate = self.stochastic_depth * i / max(self.depth - 1, 1)
+      x = block(self.mlp_dim, self.num_heads, self.dropout, rate, self.dtype, name=f"encoderblock_{i}")(
+        x, deterministic
+      )
+    return nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
+
+
+class ViT(nn.Module):
+  """``ViT(num_classes, patch_size=16, width=768, depth=12, mlp_dim=3072, num_heads=12)``; ``__call__(images,
+  train)`` gives ``[N, num_classes]`` logits (float32)."""
+
+  num_classes: int
+  patch_size: int = 16
+  width: int = 768
+  depth: int = 12
+  mlp_dim: int = 3072
+  num_heads: int = 12
+  posemb: str = "learn"  # learn | sincos2d
+  pool: str = "tok"  # tok (class token) | gap (mean over tokens)
+  dropout: float = 0.0
+  stochastic_depth: float = 0.0  # the last block's drop rate; block i drops i / (depth - 1) of it
+  remat: bool = False
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = jnp.asarray(x, self.dtype)
+    p = self.patch_size
+    x = nn.Conv(self.width, (p, p), strides=(p, p), padding="VALID", name="embedding", dtype=self.dtype)(x)
+    n, h, w, c = x.shape
+    x = jnp.reshape(x, (n, h * w, c))
+    if self.pool == "tok":
+      cls = self.param("cls", nn.initializers.zeros, (1, 1, c))
+      x = jnp.concatenate([jnp.tile(cls.astype(x.dtype), (n, 1, 1)), x], axis=1)
+    x = x + self._posemb(x.shape[1], h, w, c).astype(x.dtype)
+    x = nn.Dropout(rate=self.dropout)(x, not train)
+    x = Encoder(
+      self.depth,
+      self.mlp_dim,
+      self.num_heads,
+      self.dropout,
+      self.stochastic_depth,
+      self.remat,
+      self.dtype,
+      name="Transformer",
+    )(x, not train)
+    x = x[:, 0] if self.pool == "tok" else jnp.mean(x, axis=1)
+    head = nn.Dense(self.num_classes, name="head", kernel_init=nn.initializers.zeros, dtype=self.dtype)
+    return jnp.asarray(head(x), jnp.float32)
+
+  def _posemb(self, length: int, h: int, w: int, width: int):
+    if self.posemb == "learn":  # one per token, the class token's too (the original ViT's)
+      return self.param("pos_embedding", nn.initializers.normal(stddev=1 / np.sqrt(width)), (1, length, width))
+    if self.posemb == "sincos2d":
+      pe = posemb_sincos_2d(h, w, width)
+      return jnp.concatenate([jnp.zeros((1, 1, width)), pe], axis=1) if length == h * w + 1 else pe
+    raise ValueError(f"posemb must be learn or sincos2d, got {self.posemb!r}")
+
+
+def create(
+  name: str,
+  num_classes: int,
+  patch_size: Optional[int] = None,
+  **kwargs,
+) -> ViT:
+  """The zoo's ViT ``name`` (``VARIANTS``), with its patch size unless ``patch_size`` is given."""
+  size, patch = VARIANTS[name]
+  width, depth, mlp_dim, heads = SIZES[size]
+  return ViT(
+    num_classes=num_classes,
+    patch_size=patch_size or patch,
+    width=width,
+    depth=depth,
+    mlp_dim=mlp_dim,
+    num_heads=heads,
+    **kwargs,
+  )
