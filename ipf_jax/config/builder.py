@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -19,7 +20,7 @@ import optax
 
 from ipf_jax.config import validation
 from ipf_jax.population import particle_filter as pf
-from ipf_jax.spmd import eval_step, fusion, optim
+from ipf_jax.spmd import eval_step, fusion, optim, pretrained
 from ipf_jax.spmd import mesh as mesh_lib
 from ipf_jax.spmd import state as state_lib
 from ipf_jax.spmd import step as step_lib
@@ -103,6 +104,8 @@ def build(
   lr_fn = optim.create_learning_rate_fn(config, total, warmup)
   tx = optim.make_optimizer(config, lr_fn, optimizer)
   abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh)
+  if config.init_from:
+    init = functools.partial(init, _start(config, task, example))
   return Parts(
     config=config,
     task=task,
@@ -121,6 +124,13 @@ def build(
     diversity=fusion.make_diversity_fn(mesh),
     fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop),
   )
+
+
+def _start(config: ml_collections.ConfigDict, task: Task, example: dict) -> dict:
+  """``config.init_from``'s values for ``task``'s model, checked against its shapes (nothing compiled)."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype), example)
+  shapes = jax.eval_shape(lambda: task.init(jax.random.PRNGKey(0), one))
+  return pretrained.for_model(config.init_from, config.init_reinit, shapes)
 
 
 def state_shapes(

@@ -118,6 +118,11 @@ def _particles(config: ml_collections.ConfigDict) -> None:
   config.num_particles = 8             # P; 1 = plain DDP in any mode
   config.shared_params = ""            # regex of parameter paths stored once and shared by all particles, e.g.
                                        # "^(conv_init|bn_init|stage1_)" (stem + first stage); "" = none
+  config.init_from = ""                # start every particle from one checkpoint: an exported fused model, a
+                                       # run's workdir (its fused model), a Flax msgpack or a .npz of
+                                       # /-joined names ("" = from config.init)
+  config.init_reinit = ""              # init_from: regex of parameter paths initialised fresh (per particle,
+                                       # as config.init says) instead of loaded, e.g. "^head/"
   config.init = "auto"                 # auto | shared | independent: one init for all particles (fusion needs it)
                                        # or one per particle (deep ensemble); auto = independent in ensemble mode
   config.temperature = 10.0            # tau >= 0: log w <- rho log w - tau loss (10: best fused model and NLL

@@ -153,6 +153,10 @@ def _validate_numbers(config: ml_collections.ConfigDict) -> None:
 def validate_algorithm(config: ml_collections.ConfigDict) -> None:
   """The particle filter's fields (docs/DESIGN.md §3): the population, weights, correction, resampling."""
   try:
+    re.compile(config.init_reinit)
+  except re.error as e:
+    raise ConfigError("init_reinit", f"is not a valid regular expression ({e}); e.g. '^head/'") from None
+  try:
     re.compile(config.shared_params)
   except re.error as e:
     raise ConfigError(

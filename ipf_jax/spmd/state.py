@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.population import compression
-from ipf_jax.spmd import optim, sharing
+from ipf_jax.spmd import optim, pretrained, sharing
 from ipf_jax.spmd.mesh import PARTICLE
 
 
@@ -97,14 +97,16 @@ def _init_fn(
   init_rng, run_rng = jax.random.split(rng)
   example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype), example)
 
-  def init_one(key):
+  def init_one(key, start):
     variables = task.init(key, example)
+    if start:  # config.init_from: every particle from the loaded values, but for those left fresh
+      variables = pretrained.place(variables, start)
     params, shared = sharing.split(variables["params"], shared_pattern)
     return params, shared, variables.get("batch_stats", {}), tx.init(params)
 
-  def init_all():
+  def init_all(start=None):
     keys = jax.vmap(lambda i: jax.random.fold_in(init_rng, i))(jnp.arange(num_particles) * (not shared_init))
-    params, shared, batch_stats, opt_state = jax.vmap(init_one)(keys)
+    params, shared, batch_stats, opt_state = jax.vmap(init_one, in_axes=(0, None))(keys, start)
     shared = jax.tree.map(lambda x: x[0], shared)
     residual = None  # orbax cannot save zero-size arrays: no leaf at all without compression
     if compress:
@@ -157,7 +159,8 @@ def train_state_init(
     dynamic_scale: the initial loss scale for float16 (``optim.create_dynamic_scale``) or None.
   Returns:
     ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
-    ``NamedSharding`` on ``mesh``, and ``init() -> ParticleState``.
+    ``NamedSharding`` on ``mesh``, and ``init(start=None) -> ParticleState``; ``start``
+    (``pretrained.for_model``) replaces the loaded leaves of every particle's init.
   """
   init_all = _init_fn(rng, task, tx, example, num_particles, shared_init, shared_pattern, compress, dynamic_scale)
   shape = jax.eval_shape(init_all)
