@@ -93,13 +93,7 @@ def build(
   dp, _ = validation.validate(config, len(devices))
   mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
   spec = spec or validation.particle_spec(config)
-  if getattr(task.model, "shared_init_only", False) and not spec.shared_init:
-    raise validation.ConfigError(
-      "init",
-      f"mode={config.mode!r} with init={config.init!r} starts each particle from its own init, but the "
-      "task's model is an nnx.Module instance, which gives every particle its values. Pass a constructor "
-      "instead, Task(model=lambda rngs: MyModel(..., rngs=rngs)), or set config.init='shared'",
-    )
+  _check_init(config, task, spec)
   total, warmup = optim.train_steps(config, steps_per_epoch)
   lr_fn = optim.create_learning_rate_fn(config, total, warmup)
   tx = optim.make_optimizer(config, lr_fn, optimizer)
@@ -124,6 +118,17 @@ def build(
     diversity=fusion.make_diversity_fn(mesh),
     fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop),
   )
+
+
+def _check_init(config: ml_collections.ConfigDict, task: Task, spec: ParticleSpec) -> None:
+  """An ``nnx.Module`` instance gives every particle its values: it cannot start them apart."""
+  if getattr(task.model, "shared_init_only", False) and not spec.shared_init:
+    raise validation.ConfigError(
+      "init",
+      f"mode={config.mode!r} with init={config.init!r} starts each particle from its own init, but the "
+      "task's model is an nnx.Module instance, which gives every particle its values. Pass a constructor "
+      "instead, Task(model=lambda rngs: MyModel(..., rngs=rngs)), or set config.init='shared'",
+    )
 
 
 def _start(config: ml_collections.ConfigDict, task: Task, example: dict) -> dict:
