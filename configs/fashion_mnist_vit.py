@@ -1,0 +1,29 @@
+"""A small ViT population on Fashion-MNIST: ViT-Ti with 4 x 4 patches (49 tokens and a class token), AdamW.
+
+  python -m ipf_jax.data.prepare fashion_mnist --data_dir ~/tensorflow_datasets   # once (see fashion_mnist.py)
+  python train.py --config configs/fashion_mnist_vit.py --workdir runs/fashion_mnist_vit
+
+The same data, batch (8 particles x 16), epochs and augmentation as configs/fashion_mnist.py; the model is
+vit_ti16 at patch size 4 (5.4M parameters per particle), AdamW at 1e-3 with 500 warmup steps, decoupled
+weight decay 0.05, clipping at 1.0, stochastic depth 0.1. On a CPU it is slow (it is a ViT): meant for a GPU,
+or as a recipe to start from. No accuracy is claimed for it yet.
+"""
+
+try:  # a checkout's configs/ or the copy installed as ipf_jax.configs
+  from configs import fashion_mnist
+except ImportError:
+  from ipf_jax.configs import fashion_mnist
+
+
+def get_config():
+  config = fashion_mnist.get_config()
+  config.model = "vit_ti16"
+  config.vit_patch_size = 4
+  config.stochastic_depth = 0.1
+  config.optimizer = "adamw"
+  config.base_lr = 1e-3
+  config.reference_batch_size = 128
+  config.warmup_steps = 500
+  config.weight_decay = 0.05
+  config.grad_clip_norm = 1.0
+  return config
