@@ -173,6 +173,7 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
   for _, tokens in commands:  # workdirs that a later command reads are trained for real
     if tokens[:2] != ["python", "train.py"] or "--eval_only" in tokens:
       readers.add(_workdir(tokens))
+    readers.update(t.split("=", 1)[1] for t in tokens if t.startswith("--config.init_from="))
   trained, seen = set(), []
   for where, tokens in commands:
     what = f"{where}: {' '.join(tokens)}"
@@ -182,7 +183,8 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
       if tokens[:2] == ["python", "train.py"]:
         workdir = _workdir(tokens)
         real = workdir in readers and workdir not in trained and "--eval_only" not in tokens
-        result = run_train_command(tokens, real, workdir in trained)
+        starts_from_trained = any(t.split("=", 1)[1] in trained for t in tokens if t.startswith("--config.init_from="))
+        result = run_train_command(tokens, real, workdir in trained or starts_from_trained)
         if real:
           trained.add(workdir)
           assert 0 <= result["ensemble"]["accuracy"] <= 1, what  # 4 steps: it ran, not how well
