@@ -128,7 +128,9 @@ def test_signal_during_compilation_evaluation_and_final_evaluation(in_process_re
     trainer.train_and_evaluate(small_config(), str(tmp_path), step_hook=signal_first)
   assert e.value.exit_code == 143 and os.listdir(tmp_path / "checkpoints") == ["1"]
 
-  evaluate = trainer._Run.evaluate
+  from ipf_jax.runtime import run_eval
+
+  evaluate = run_eval.Evaluations.evaluate
   cut = []
 
   def signal_then_evaluate(self, state, fused_bn=None, interrupted=lambda: False):
@@ -140,19 +142,19 @@ def test_signal_during_compilation_evaluation_and_final_evaluation(in_process_re
       raise
 
   with monkeypatch.context() as m:
-    m.setattr(trainer._Run, "evaluate", signal_then_evaluate)
+    m.setattr(run_eval.Evaluations, "evaluate", signal_then_evaluate)
     with pytest.raises(preemption.RunStopped, match=r"stopped at step 5 by SIGINT; checkpoint saved") as e:
       trainer.train_and_evaluate(small_config(eval_every_steps=4), str(tmp_path))
   assert e.value.exit_code == 130 and cut == [4], "the evaluation at step 4 was cut short, step 5 saved"
 
-  original = trainer._Run.fused_bn
+  original = run_eval.Evaluations.fused_bn
 
   def signal_then_fused_bn(self, state, interrupted):
     os.kill(os.getpid(), signal.SIGTERM)
     return original(self, state, interrupted)
 
   with monkeypatch.context() as m:
-    m.setattr(trainer._Run, "fused_bn", signal_then_fused_bn)
+    m.setattr(run_eval.Evaluations, "fused_bn", signal_then_fused_bn)
     with pytest.raises(preemption.RunStopped, match="during the final evaluation at step 12; the checkpoint is saved"):
       trainer.train_and_evaluate(small_config(fused_bn_batches=1), str(tmp_path))
   results = trainer.train_and_evaluate(small_config(), str(tmp_path))
