@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ipf_jax.errors import ConfigError
+
 from ipf_jax.models import vit
 
 
@@ -96,5 +98,13 @@ def test_a_vit_population_trains_with_adamw_dropout_and_stochastic_depth(tmp_pat
   plan = trainer.check_run(config, str(tmp_path / "zoo"))
   assert "would train 6 steps" in plan, plan
   assert models.rngs(config) == ("dropout",)
+  config.vit_patch_size = 0  # 16 x 16 patches on 8 x 8 digits: refused, naming the sizes that tile them
+  with pytest.raises(
+    ConfigError,
+    match=r"config.model: vit_ti16's 16 x 16 patches do not tile the 8 x 8 images; "
+    r"set vit_patch_size to one of \[2, 4, 8\]",
+  ):
+    trainer.check_run(config, str(tmp_path / "zoo"))
+  config.vit_patch_size = 4
   zoo = models.model_from_fields(models.model_fields(config, 10))
   assert isinstance(zoo, vit.ViT) and (zoo.patch_size, zoo.width, zoo.depth, zoo.dropout) == (4, 192, 12, 0.1)

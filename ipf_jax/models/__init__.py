@@ -92,6 +92,23 @@ def create_model(config, num_classes: int, bn_axis_name: Optional[str] = None):
   raise ConfigError("model", f"unknown model {name!r}; use one of {', '.join(MODELS)}")
 
 
+def check_input(config, example: dict) -> None:
+  """A ViT's patches must tile the images of ``example`` (a batch, ``image`` ``[..., H, W, C]``); other models
+  take any size."""
+  name = config["model"]
+  if name not in vit.VARIANTS:
+    return
+  patch = config.get("vit_patch_size", 0) or vit.VARIANTS[name][1]
+  h, w = example["image"].shape[-3:-1]
+  if h % patch or w % patch:
+    fits = [p for p in range(2, min(h, w) + 1) if h % p == 0 and w % p == 0]
+    raise ConfigError(
+      "vit_patch_size" if config.get("vit_patch_size", 0) else "model",
+      f"{name}'s {patch} x {patch} patches do not tile the {h} x {w} images"
+      + (f"; set vit_patch_size to one of {fits}" if fits else "; use another model"),
+    )
+
+
 def model_fields(config, num_classes: int) -> dict:
   """What ``model_from_fields`` needs to rebuild ``create_model(config, num_classes)``."""
   value = lambda k: config[k] if k in config else _DEFAULTS[k]

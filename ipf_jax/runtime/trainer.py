@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from ipf_jax import files
+from ipf_jax import files, models
 from ipf_jax.config import builder as build_lib
 from ipf_jax.config import validation
 from ipf_jax.data import create_dataset
@@ -138,6 +138,8 @@ class _Run:
     )
     validation.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
+    if self.zoo:
+      models.check_input(config, self.dataset.example)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
     self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)  # None: unknown
     if self.steps_per_epoch is None and (config.num_epochs or config.warmup_epochs):
