@@ -133,9 +133,7 @@ def _check_init(config: ml_collections.ConfigDict, task: Task, spec: ParticleSpe
 
 def _start(config: ml_collections.ConfigDict, task: Task, example: dict) -> dict:
   """``config.init_from``'s values for ``task``'s model, checked against its shapes (nothing compiled)."""
-  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype), example)
-  shapes = jax.eval_shape(lambda: task.init(jax.random.PRNGKey(0), one))
-  return pretrained.for_model(config.init_from, config.init_reinit, shapes)
+  return pretrained.for_model(config.init_from, config.init_reinit, state_lib.variables_shapes(task, example))
 
 
 def state_shapes(

@@ -82,6 +82,16 @@ def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> Part
   )
 
 
+def one_example(example: dict) -> dict:
+  """``example``'s per-example shapes as a batch of one (``ShapeDtypeStruct``s): what ``task.init`` reads."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype), example)
+
+
+def variables_shapes(task, example: dict) -> dict:
+  """The shapes of one particle's ``task.init`` variables (nothing compiled)."""
+  return jax.eval_shape(lambda: task.init(jax.random.PRNGKey(0), one_example(example)))
+
+
 def _init_fn(
   rng: jax.Array,
   task,
@@ -95,7 +105,7 @@ def _init_fn(
 ):
   """``init() -> ParticleState`` (unsharded); see ``train_state_init`` for the arguments."""
   init_rng, run_rng = jax.random.split(rng)
-  example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype), example)
+  example = one_example(example)
 
   def init_one(key, start):
     variables = task.init(key, example)
