@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax.population import compression, correction
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.population.streams import Stream, stream
-from ipf_jax.spmd import sharing
+from ipf_jax.spmd import loss_scaling, sharing
 from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
 from ipf_jax.spmd.mesh import DATA, PARTICLE
 from ipf_jax.spmd.particles import over_particles, particle_keys, per_particle
@@ -60,8 +60,7 @@ class Gradients(NamedTuple):
   shared_grads: Any
   batch_stats: Any
   alive: jax.Array  # [L] bool: loss and gradient finite
-  loss_finite: jax.Array  # [L] bool
-  proposed: Any  # float16: each particle's proposed DynamicScale; None otherwise
+  vote: Optional[loss_scaling.Vote]  # float16: each particle's say in the next loss scale; None otherwise
   score: Optional[jax.Array] = None  # [L] weigh_on=common: the loss on the common examples (None: ``loss``)
 
 
@@ -69,10 +68,11 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   """Each particle's loss over its whole data group (``pmean`` over ``"data"``) and its gradient.
 
   Shared parameters are marked device-varying so that each particle gets its own gradient.
-  float16: flax's ``DynamicScale`` scales the loss and unscales the gradients.
+  float16: the state's loss-scaling policy scales the loss, unscales the gradients and takes each
+  particle's vote on the next scale (``loss_scaling``).
   No NaN leaves a culled particle: its gradients are replaced by zeros (``where``, not ``*``).
   """
-  ds = state.dynamic_scale
+  scaling = loss_scaling.of(state)
 
   def loss_fn(params, shared, batch_stats, batch, key):
     outputs, new_stats = task.apply(
@@ -80,12 +80,7 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
     )
     return lax.pmean(task.loss(outputs, batch).mean(), DATA), new_stats
 
-  def grad_fn(*args):
-    if ds is None:
-      return (*jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(*args), None)
-    proposed, _, aux, grads = ds.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(*args)
-    return aux, grads, proposed
-
+  grad_fn = scaling.value_and_grad(loss_fn, argnums=(0, 1))
   shared = jax.tree.map(lambda x: lax.pcast(x, (PARTICLE,), to="varying"), state.shared_params)
   num_local = state.log_weights.shape[0]
   run = over_particles(grad_fn, spec.particle_loop, (0, None, 0, 0, 0 if task.rngs else None))
@@ -102,17 +97,16 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
     loss, batch_stats, grads, shared_grads, proposed = micro_step(state.batch_stats, batch, 0)
   else:
     loss, batch_stats, grads, shared_grads, proposed = accumulate(
-      micro_step, spec.grad_accum_steps, state.batch_stats, batch
+      micro_step, spec.grad_accum_steps, state.batch_stats, batch, scaling.merge
     )
-  loss_finite = jnp.isfinite(loss)
-  alive = loss_finite & _all_finite((grads, shared_grads))
+  alive = jnp.isfinite(loss) & _all_finite((grads, shared_grads))
   score = None
   if spec.weigh_on == "common":
     keys = particle_keys(stream(key, Stream.MODEL), num_local) if task.rngs else None
     score = common_score(task, spec, state, shared, batch, keys)
     alive &= jnp.isfinite(score)
   grads, shared_grads = jax.tree.map(lambda g: jnp.where(per_particle(alive, g), g, 0), (grads, shared_grads))
-  return Gradients(loss, grads, shared_grads, batch_stats, alive, loss_finite, proposed, score)
+  return Gradients(loss, grads, shared_grads, batch_stats, alive, scaling.vote(proposed, loss, alive), score)
 
 
 def micro_batches(batch: dict, k: int) -> dict:
@@ -121,11 +115,11 @@ def micro_batches(batch: dict, k: int) -> dict:
   return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[:1] + (x.shape[1] // k, k) + x.shape[2:]), 2, 0), batch)
 
 
-def accumulate(micro_step: Callable, k: int, batch_stats, batch: dict):
+def accumulate(micro_step: Callable, k: int, batch_stats, batch: dict, merge: Callable):
   """Gradient accumulation inside the step: ``micro_step`` on each of ``k`` micro-batches in turn (a ``scan``;
   BatchNorm statistics carried from one to the next), then the mean loss and mean gradients, as one
   step on the whole batch would give without BatchNorm. float16: every micro-batch proposes the next
-  loss scale from the same one; the smallest proposal (an overflow anywhere halves it) is kept."""
+  loss scale from the same one; ``merge`` (the policy's) keeps the smallest (an overflow anywhere halves it)."""
   micro = micro_batches(batch, k)
   first = micro_step(batch_stats, jax.tree.map(lambda x: x[0], micro), 0)
 
@@ -133,12 +127,7 @@ def accumulate(micro_step: Callable, k: int, batch_stats, batch: dict):
     loss, stats, grads, shared_grads, proposed = carry
     m_loss, stats, m_grads, m_shared, m_proposed = micro_step(stats, xs[0], xs[1])
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    if proposed is not None:
-      proposed = proposed.replace(
-        scale=jnp.minimum(proposed.scale, m_proposed.scale),
-        fin_steps=jnp.minimum(proposed.fin_steps, m_proposed.fin_steps),
-      )
-    return (loss + m_loss, stats, add(grads, m_grads), add(shared_grads, m_shared), proposed), None
+    return (loss + m_loss, stats, add(grads, m_grads), add(shared_grads, m_shared), merge(proposed, m_proposed)), None
 
   rest = (jax.tree.map(lambda x: x[1:], micro), jnp.arange(1, k))
   (loss, stats, grads, shared_grads, proposed), _ = lax.scan(body, first, rest)
@@ -175,19 +164,17 @@ class Numbers(NamedTuple):
   loss: jax.Array
   alive: jax.Array  # 1.0 / 0.0
   grad_norm: jax.Array
-  # float16 only (None otherwise):
-  overflow: Optional[jax.Array] = None  # 1.0: a finite loss with a non-finite gradient
-  proposed_scale: Optional[jax.Array] = None  # inf where the loss is not finite (no vote)
-  proposed_fin_steps: Optional[jax.Array] = None
-  previous_log_weight: Optional[jax.Array] = None
+  vote: Optional[loss_scaling.Vote] = None  # float16 only
+  previous_log_weight: Optional[jax.Array] = None  # float16 and ess_target only
   score: Optional[jax.Array] = None  # weigh_on=common: what the weights use instead of ``loss``
 
 
 def gather_numbers(numbers: Numbers) -> Numbers:
-  """``[L]`` fields to ``[P]`` ones, identical on every device: one ``psum`` of the stacked table."""
-  names = [f for f in Numbers._fields if getattr(numbers, f) is not None]
-  table = pf.gather_all(jnp.stack([getattr(numbers, f) for f in names], axis=1), PARTICLE)
-  return Numbers(**{f: table[:, i] for i, f in enumerate(names)})
+  """``[L]`` fields to ``[P]`` ones, identical on every device: one ``psum`` of the stacked table (the
+  fields that are not None, the vote's flattened)."""
+  columns, tree = jax.tree.flatten(numbers)
+  table = pf.gather_all(jnp.stack(columns, axis=1), PARTICLE)
+  return jax.tree.unflatten(tree, [table[:, i] for i in range(len(columns))])
 
 
 def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Numbers, jax.Array, jax.Array]:
@@ -197,16 +184,9 @@ def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Num
   the ESS at ``ess_target * P`` (``particle_filter.adaptive_temperature``)."""
   score = g.loss if g.score is None else g.score
   raw = pf.update_log_weights(state.log_weights, score, g.alive, spec.temperature, spec.forgetting)
-  numbers = Numbers(raw, g.loss, g.alive.astype(g.loss.dtype), jax.vmap(optax.tree.norm)((g.grads, g.shared_grads)))
-  if g.score is not None:
-    numbers = numbers._replace(score=g.score)
-  if g.proposed is not None:
-    numbers = numbers._replace(
-      overflow=(g.loss_finite & ~g.alive).astype(g.loss.dtype),
-      proposed_scale=jnp.where(g.loss_finite, g.proposed.scale, jnp.inf),
-      proposed_fin_steps=jnp.where(g.loss_finite, g.proposed.fin_steps, jnp.inf),
-    )
-  if g.proposed is not None or spec.ess_target:
+  grad_norm = jax.vmap(optax.tree.norm)((g.grads, g.shared_grads))
+  numbers = Numbers(raw, g.loss, g.alive.astype(g.loss.dtype), grad_norm, vote=g.vote, score=g.score)
+  if g.vote is not None or spec.ess_target:
     numbers = numbers._replace(previous_log_weight=state.log_weights)
   numbers = gather_numbers(numbers)
   temperature = jnp.asarray(spec.temperature, g.loss.dtype)
@@ -275,20 +255,6 @@ def resample_decision(spec: ParticleSpec, step, ess, num_alive):
   return decide
 
 
-def loss_scale_decision(ds, numbers: Numbers):
-  """float16's one scale for all particles: ``(next DynamicScale, overflow)``.
-
-  Above the minimum scale, a finite loss with a non-finite gradient is an overflow: every particle
-  skips the step and the scale halves (each particle already proposed that). Every proposal is the
-  same when all gradients are finite; the smallest is the decision. No finite loss at all: the scale
-  stays. At the minimum scale an overflow is a divergence (culled, as in float32), not a skip.
-  """
-  overflow = (jnp.sum(numbers.overflow) > 0) & (ds.scale > ds.minimum_scale)
-  scale = jnp.min(numbers.proposed_scale)
-  decided = ds.replace(scale=scale, fin_steps=jnp.min(numbers.proposed_fin_steps).astype(jnp.int32))
-  return jax.tree.map(lambda new, old: jnp.where(jnp.isfinite(scale), new, old), decided, ds), overflow
-
-
 def jitter_sigma(spec: ParticleSpec, lr_fn: Optional[optax.Schedule], step):
   """The noise on resampled copies: ``jitter + jitter_lr * lr(step)`` (a float when ``jitter_lr`` is 0)."""
   if not spec.jitter_lr:
@@ -355,7 +321,7 @@ class Outcome(NamedTuple):
   overflow: jax.Array  # bool: a float16 overflow skipped the step
 
 
-def step_metrics(spec: ParticleSpec, state: ParticleState, o: Outcome, lr=None) -> dict:
+def step_metrics(spec: ParticleSpec, scaling: loss_scaling.Policy, o: Outcome, lr=None) -> dict:
   """What the step reports, replicated (per-particle values ``[P]``); ``lr``: the learning rate the optimizer
   applies at this step (with ``lr_fn``). float16: an overflow step culls nobody and keeps the weights, so it
   reports them as they were, not the discarded update."""
@@ -376,29 +342,16 @@ def step_metrics(spec: ParticleSpec, state: ParticleState, o: Outcome, lr=None) 
     metrics["temperature"] = o.temperature
   if numbers.score is not None:
     metrics["score"] = numbers.score
-  if state.dynamic_scale is not None:
-    metrics.update(loss_scale=state.dynamic_scale.scale, overflow=o.overflow)
-    finite = (numbers.alive + numbers.overflow) > 0
-    kept = {
-      "log_weights": numbers.previous_log_weight,
-      "ess": pf.ess(numbers.previous_log_weight, spec.islands),
-      "alive": finite.astype(jnp.int32),
-      "num_alive": jnp.sum(finite).astype(jnp.int32),
-    }
-    metrics.update({k: jnp.where(o.overflow, v, metrics[k]) for k, v in kept.items()})
-  return metrics
+  return scaling.metrics(spec, metrics, numbers.vote, numbers.previous_log_weight, o.overflow)
 
 
-def count(state: ParticleState, new_state: ParticleState, ok, overflow, resampled, ds) -> ParticleState:
-  """The step's counters: one more step, and whether it was skipped, an overflow or a resampling."""
-  new_state = new_state.replace(
+def count(state: ParticleState, new_state: ParticleState, ok, overflow, resampled) -> ParticleState:
+  """The step's counters: one more step, and whether it was skipped or a resampling (overflows: the policy's)."""
+  return new_state.replace(
     step=state.step + 1,
     num_skipped=state.num_skipped + (~ok & ~overflow).astype(jnp.int32),
     num_resamples=state.num_resamples + resampled.astype(jnp.int32),
   )
-  if ds is not None:
-    new_state = new_state.replace(dynamic_scale=ds, num_overflows=state.num_overflows + overflow.astype(jnp.int32))
-  return new_state
 
 
 class StepParts(NamedTuple):
@@ -414,7 +367,7 @@ class StepParts(NamedTuple):
 
 def local_step(c: StepParts, state: ParticleState, batch):
   """One device's part of the train step, phase by phase (the module docstring's 1-5)."""
-  spec = c.spec
+  spec, scaling = c.spec, loss_scaling.of(state)
   step_key = jax.random.fold_in(state.rng, state.step)
   g = gradients(c.task, spec, state, batch, step_key)  # 1
   numbers, all_log_w, temperature = reweigh(spec, state, g)  # 2
@@ -423,9 +376,7 @@ def local_step(c: StepParts, state: ParticleState, batch):
   ess = pf.ess(all_log_w, spec.islands)
   num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
   # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
-  ds, overflow = state.dynamic_scale, jnp.zeros((), bool)
-  if ds is not None:
-    ds, overflow = loss_scale_decision(ds, numbers)
+  scale, overflow = scaling.decide(numbers.vote)
   ok = (num_alive > 0) & ~overflow
   new_state = commit(state, ok, particle, log_w, shared_params, shared_opt_state)
   # 5. Resample the committed population (skipped steps never resample).
@@ -434,9 +385,9 @@ def local_step(c: StepParts, state: ParticleState, batch):
     resampled = resample_decision(spec, state.step, ess, num_alive) & ok
     sigma = jitter_sigma(spec, c.lr_fn, state.step)
     new_state, src = resample_phase(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange)
-  new_state = count(state, new_state, ok, overflow, resampled, ds)
+  new_state = scaling.count(state, count(state, new_state, ok, overflow, resampled), scale, overflow)
   outcome = Outcome(numbers, all_log_w, ess, num_alive, resampled, src, temperature, overflow)
-  return new_state, step_metrics(spec, state, outcome, None if c.lr_fn is None else c.lr_fn(updates_done(state)))
+  return new_state, step_metrics(spec, scaling, outcome, None if c.lr_fn is None else c.lr_fn(updates_done(state)))
 
 
 def make_train_step(
