@@ -7,36 +7,28 @@ import logging
 import logging.handlers
 import os
 import sys
-import time
 from typing import Optional
 
 import jax
 import ml_collections
-import numpy as np
 import optax
 
 from ipf_jax import files, models
 from ipf_jax.config import builder as build_lib
 from ipf_jax.config import validation
 from ipf_jax.data import create_dataset
-from ipf_jax.data.errors import DataError
-from ipf_jax.evaluation import metrics as metrics_lib
 from ipf_jax.reporting import summary
 from ipf_jax.runtime import checkpoint as checkpoint_lib
-from ipf_jax.runtime import compatibility, preemption, run_eval
+from ipf_jax.runtime import compatibility, loop, preemption, run_eval
 from ipf_jax.runtime import workdir as workdir_lib
 from ipf_jax.runtime.preemption import RunStopped
-from ipf_jax.spmd import layout, optim
+from ipf_jax.spmd import optim
 from ipf_jax.spmd import mesh as mesh_lib
-from ipf_jax.spmd.mesh import one_program_at_a_time
 from ipf_jax.spmd.task import Task
 
 log = logging.getLogger("ipf_jax")
 WorkdirError = workdir_lib.WorkdirError
-
-
-class NonFiniteError(FloatingPointError):
-  """Every particle's loss or gradient became non-finite."""
+NonFiniteError = loop.NonFiniteError
 
 
 class _LogFile(logging.FileHandler):
@@ -86,28 +78,6 @@ def keep_log(workdir: str) -> None:
       h.flush()
       log.removeHandler(h)
       log.addHandler(file_handler)
-
-
-def _fmt_time(seconds: float) -> str:
-  if not np.isfinite(seconds):
-    return "--"
-  seconds = int(max(seconds, 0))
-  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def _check_finite(state, num_particles: int, step: int, newest: Optional[int]) -> int:
-  """Number of skipped (non-finite) steps; with several particles, any is fatal."""
-  skipped = int(state.num_skipped)
-  if skipped and num_particles > 1:
-    kept = (
-      f"the newest checkpoint (step {newest}) is kept" if newest is not None else "no checkpoint had been written yet"
-    )
-    raise NonFiniteError(
-      f"step {step}: every particle's loss or gradient is non-finite. The update was skipped "
-      f"and no checkpoint was written after it; {kept}. Lower config.base_lr or set "
-      "config.grad_clip_norm, then run again" + (" to resume." if newest is not None else ".")
-    )
-  return skipped
 
 
 class _Run:
@@ -415,7 +385,7 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
   writer = summary.SummaryWriter(run.workdir)
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
   try:
-    training = _Training(run, control, ckpt, writer, state, newest, interrupted, step_hook)
+    training = loop.Training(run, control, ckpt, writer, state, newest, interrupted, step_hook)
     try:
       stop = training.run_steps()
     except checkpoint_lib.SaveError:
@@ -453,168 +423,3 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
       raise RunStopped(message, stop.exit_code)
   finally:
     writer.close()
-
-
-class _Training:
-  """The step loop of one run. ``run_steps()`` trains until the last step or an agreed stop and returns the
-  stop (or None); a failed save raises ``SaveError`` where it happens, after abandoning the checkpointer.
-  ``state`` and ``newest`` (the newest saved step) are the loop's, for its caller to read after either."""
-
-  def __init__(self, run: _Run, control, ckpt, writer, state, newest, interrupted, step_hook):
-    self.run, self.control, self.ckpt, self.writer = run, control, ckpt, writer
-    self.state, self.newest, self.interrupted, self.step_hook = state, newest, interrupted, step_hook
-    self.start = int(state.step)
-
-  def run_steps(self):
-    run, config = self.run, self.run.config
-    t_start = time.perf_counter()
-    self._clock = (t_start, self.start)  # (time, step) of the last progress line
-    pending = []  # per-step metrics still on the device, fetched at the next log step
-    stop = None
-    prefetched = layout.prefetch(
-      run.dataset.train_batches(self.start, config.global_batch_size, config.seed),
-      lambda b: layout.put_train_batch(b, run.spec.num_particles, run.mesh, run.dataset.process_local),
-    )
-    batches = _until_exhausted(prefetched, run.dataset.name, self.start)
-    try:
-      for step in range(self.start, run.total):
-        batch = next(batches)
-        if self.step_hook is not None:
-          self.state, batch = self.step_hook(step, self.state, batch)
-        self.state, m = one_program_at_a_time(run.parts.train_step(self.state, batch))
-        pending.append(m)
-        done = step + 1
-        log_step = done % config.log_every_steps == 0 or done == run.total
-        if log_step:
-          self._log(done, jax.device_get(pending))
-          pending = []
-        stop, save_now = self.control.at_step(done, log_step)
-        self._save_if_due(done, save_now or stop is not None)
-        if stop is not None:
-          break
-        self._evaluate_if_due(done)
-    finally:
-      prefetched.close()
-    if self.ckpt is not None:
-      self._saving(int(self.state.step), self.ckpt.close)  # the newest checkpoint is committed before anything else
-    self.writer.flush()
-    done, elapsed = int(self.state.step), time.perf_counter() - t_start
-    if done > self.start:
-      log.info(
-        "trained %d steps in %s (%.1f steps/s)",
-        done - self.start,
-        _fmt_time(elapsed),
-        (done - self.start) / max(elapsed, 1e-9),
-      )
-    return stop
-
-  def _log(self, done: int, fetched: list) -> None:
-    skipped = _check_finite(self.state, self.run.spec.num_particles, done, self.newest)
-    (t_last, last_step), now = self._clock, time.perf_counter()
-    for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
-      self.writer.train_step(k, mk)
-    _log_progress(
-      self.run, self.state, fetched[-1], self.writer, done, self.start, (done - last_step) / (now - t_last), skipped
-    )
-    self._clock = (now, done)
-
-  def _save_if_due(self, done: int, requested: bool) -> None:
-    """A background save's failure stops the run at once (``poll``); a save at the last step, a periodic one,
-    or one the stop control asks for."""
-    if self.ckpt is None:
-      return
-    config = self.run.config
-    periodic = config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
-
-    def save():
-      self.ckpt.poll()
-      if done == self.run.total or periodic or requested:
-        _check_finite(self.state, self.run.spec.num_particles, done, self.newest)
-        self.ckpt.save(done, self.state, config)
-        self.control.saved()
-        self.newest = done
-
-    self._saving(done, save)
-
-  def _saving(self, step: int, operation) -> None:
-    try:
-      operation()
-    except checkpoint_lib.SaveError as e:
-      log.error("stopping at step %d: %s", step, e)
-      self.ckpt.abandon()
-      self.newest = self.ckpt.latest_step()
-      raise
-
-  def _evaluate_if_due(self, done: int) -> None:
-    every = self.run.config.eval_every_steps
-    if not every or done % every or done == self.run.total:
-      return
-    evals = self.run.evaluations
-    try:
-      results = evals.evaluate(self.state, evals.fused_bn(self.state, self.interrupted), self.interrupted)
-    except InterruptedError:
-      return  # the stop is taken after the next step
-    self.writer.eval_results(done, results)
-    log.info(
-      "eval step %d  ensemble acc %.2f%%  fused acc %.2f%%",
-      done,
-      100 * results["ensemble"]["accuracy"],
-      100 * results["fused"]["accuracy"],
-    )
-
-
-def _until_exhausted(batches, name: str, start: int):
-  """``batches``, with one clear error when the data ends before the run does."""
-  step = start
-  for batch in batches:
-    yield batch
-    step += 1
-  raise DataError(
-    f"the training data {name!r} ended at step {step} ({step - start} batches read): "
-    "train_batches(start_step, ...) must give a batch for every step of the run "
-    "(config.num_train_steps or num_epochs)"
-  )
-
-
-def _log_progress(run: _Run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
-  """The progress line (stdout and train.log) and the log-step scalars."""
-  spec, total, config = run.spec, run.total, run.config
-  distances = np.asarray(run.parts.diversity(state))
-  writer.scalars(
-    done,
-    {
-      "train/images_per_s": rate * config.global_batch_size,
-      "train/resamples": int(state.num_resamples),
-      "train/diversity": float(np.nanmean(distances)),
-      **{f"particle/diversity/{i}": d for i, d in enumerate(distances)},
-    },
-  )
-  w = np.exp(m["log_weights"])
-  loss = metrics_lib.weighted_train_loss(m)
-  eta = (total - done) / rate if done > start + 1 else float("nan")
-  scaling = ""
-  if state.dynamic_scale is not None:
-    scaling = f"  loss scale {float(state.dynamic_scale.scale):g} (overflows {int(state.num_overflows)})"
-  epoch = f"  epoch {done / run.steps_per_epoch:.1f}" if run.steps_per_epoch else ""
-  if "temperature" in m:  # ess_target: this step's tau
-    scaling += f"  tau {float(m['temperature']):.3g}"
-  log.info(
-    "step %d/%d%s  loss %.4f  ess %.2f/%d  max_w %.3f  resamples %d  alive %d/%d%s%s  "
-    "diversity %.3g  lr %.4g  %.1f steps/s  ETA %s",
-    done,
-    total,
-    epoch,
-    loss,
-    float(m["ess"]),
-    spec.num_particles,
-    float(w.max()),
-    int(state.num_resamples),
-    int(m["num_alive"]),
-    spec.num_particles,
-    f"  skipped {skipped}" if skipped else "",
-    scaling,
-    float(np.nanmean(distances)),
-    float(m.get("lr", np.nan)),
-    rate,
-    _fmt_time(eta),
-  )
