@@ -139,8 +139,11 @@ class Reference:
     growth_interval=2000,
     minimum_scale=1.0,
     lr_fn=None,
+    mixup=0.0,
+    num_classes=10,
   ):
     self.spec = spec
+    self.mixup, self.num_classes = mixup, num_classes  # config.mixup: each particle's batch mixed, as below
     self.lr_fn = lr_fn  # spec.jitter_lr: the copies' noise is jitter + jitter_lr * lr_fn(step)
     self.accum_steps = spec.grad_accum_steps
     self.tx = tx
@@ -166,6 +169,8 @@ class Reference:
       logits, new = model.apply(
         {"params": params, "batch_stats": batch_stats}, image, train=True, mutable=["batch_stats"]
       )
+      if label.ndim == 2:  # soft targets (mixup)
+        return scale * optax.softmax_cross_entropy(logits, label).mean(), new["batch_stats"]
       return scale * optax.softmax_cross_entropy_with_integer_labels(logits, label).mean(), new["batch_stats"]
 
     grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
@@ -178,13 +183,26 @@ class Reference:
     self._grad = scaled_grad
     self._update = jax.jit(tx.update)
 
-  def _accumulated_grad(self, params, batch_stats, images, labels):
+  def _mix(self, images, labels, key):
+    """mixup written out in numpy: r ~ Dirichlet(p, p) sorted r_0 >= r_1 (the one draw taken from jax's
+    generator), each example and its one-hot label blended with the one before it in the particle's
+    (micro-)batch, the first with the last."""
+    r = np.sort(np.asarray(jax.random.dirichlet(key, jnp.full((2,), self.mixup, jnp.float32))))[::-1]
+    onehot = np.eye(self.num_classes, dtype=np.float32)[labels]
+    blend = lambda x: (r[0] * x + r[1] * np.roll(x, 1, axis=0)).astype(np.float32)
+    return blend(np.asarray(images, np.float32)), blend(onehot)
+
+  def _accumulated_grad(self, params, batch_stats, images, labels, mix_key=None):
     """Gradient accumulation written out: micro-batch m is examples m, m + k, ... of the particle's batch,
-    run one after another (BatchNorm statistics carried); the loss and gradient are their means."""
+    run one after another (BatchNorm statistics carried); the loss and gradient are their means.
+    ``mix_key(m)``: micro-batch m's mixup key (None: no mixup)."""
     k = self.accum_steps
     losses, grads = [], []
     for m in range(k):
-      (loss, batch_stats), g = self._grad(params, batch_stats, images[m::k], labels[m::k])
+      x, y = images[m::k], labels[m::k]
+      if mix_key is not None:
+        x, y = self._mix(x, y, mix_key(m))
+      (loss, batch_stats), g = self._grad(params, batch_stats, x, y)
       losses.append(float(loss))
       grads.append(g)
     mean = jax.tree.map(lambda *gs: sum(np.asarray(x, np.float64) for x in gs) / k, *grads)
@@ -197,9 +215,18 @@ class Reference:
     key = jax.random.fold_in(self.rng, self.step)
     losses, grads, stats, alive = [], [], [], []
     shared_grads = []
+    augment = jax.random.fold_in(key, 3)  # the step's augmentation stream; per micro-batch, then per slot
     for i in range(p):
+
+      def mix_key(m, i=i):
+        return jax.random.fold_in(augment if self.accum_steps == 1 else jax.random.fold_in(augment, m), i)
+
       (loss, bs), g = self._accumulated_grad(
-        _merge(self.params[i], self.shared), self.batch_stats[i], images[i], labels[i]
+        _merge(self.params[i], self.shared),
+        self.batch_stats[i],
+        images[i],
+        labels[i],
+        mix_key if self.mixup else None,
       )
       g, g_shared = _split(g, self.pattern)
       shared_grads.append(g_shared)

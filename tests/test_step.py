@@ -48,6 +48,7 @@ def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=No
     shared_opt_state=init.shared_opt_state,
     shared_pattern=config.shared_params,
     lr_fn=s.parts.lr_fn,
+    mixup=config.mixup,
     **scaling,
   )
   spmd_records, ref_records = [], []

@@ -49,13 +49,16 @@ class Parts:
 
 
 def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
-  """Classification with the zoo model ``config.model`` (SyncBN over ``"data"``) and ``label_smoothing``."""
+  """Classification with the zoo model ``config.model`` (SyncBN over ``"data"``), ``label_smoothing`` and
+  ``mixup``."""
   from ipf_jax import models
 
   return classification(
     models.create_model(config, num_classes, bn_axis_name=mesh_lib.DATA),
     label_smoothing=config.label_smoothing,
     rngs=models.rngs(config),
+    mixup=config.mixup,
+    num_classes=num_classes,
   )
 
 

@@ -93,6 +93,7 @@ def _optimiser(config: ml_collections.ConfigDict) -> None:
   config.warmup_steps = 20             # linear warmup, then cosine decay to 0
   config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
   config.label_smoothing = 0.0         # cross-entropy label smoothing
+  config.mixup = 0.0                   # > 0: mixup in the step, ratio ~ Dirichlet(mixup, mixup) (big_vision: 0.2)
   config.grad_accum_steps = 1          # k: each step's global batch runs as k micro-batches of G / k (activation
                                        # memory of G / k), gradients and losses averaged, then one filter step
                                        # and one update (1 = off)

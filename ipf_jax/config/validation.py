@@ -213,6 +213,11 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
   _check(
+    config.mixup >= 0,
+    "mixup",
+    f"must be >= 0 (0 = off; > 0 the Dirichlet concentration of the mixing ratio, big_vision 0.2), got {config.mixup}",
+  )
+  _check(
     isinstance(config.grad_accum_steps, int) and config.grad_accum_steps >= 1,
     "grad_accum_steps",
     f"must be an integer >= 1 (1 = off), got {config.grad_accum_steps!r}",

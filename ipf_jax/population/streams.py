@@ -14,6 +14,7 @@ class Stream(enum.IntEnum):
   RESAMPLE = 0  # the systematic resampling's one shared uniform
   JITTER = 1  # the noise on resampled copies
   MODEL = 2  # the model's own randomness (dropout): per particle and data shard, per micro-batch
+  AUGMENT = 3  # the task's train-time augmentation in the step (mixup): per particle, per micro-batch
   FUSED_BN = 2**31 - 1  # the fused model's BatchNorm re-estimation (from ``rng``, not a step key)
 
 

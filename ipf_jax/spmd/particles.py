@@ -43,8 +43,13 @@ def over_particles(fn: Callable, loop: str, in_axes: tuple) -> Callable:
   return run
 
 
+def slot_keys(key, num_local: int):
+  """``[L]`` keys, one per particle, the same on each of its data shards: ``fold_in(key, slot)``."""
+  slots = lax.axis_index(PARTICLE) * num_local + jnp.arange(num_local)
+  return jax.vmap(lambda s: jax.random.fold_in(key, s))(slots)
+
+
 def particle_keys(key, num_local: int):
   """``[L]`` keys, one per particle and data shard: ``fold_in(fold_in(key, slot), data index)``. A
   particle's key depends on its slot and the step only, so a resumed run draws the same numbers."""
-  slots = lax.axis_index(PARTICLE) * num_local + jnp.arange(num_local)
-  return jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(key, s), lax.axis_index(DATA)))(slots)
+  return jax.vmap(lambda k: jax.random.fold_in(k, lax.axis_index(DATA)))(slot_keys(key, num_local))

@@ -33,7 +33,7 @@ from ipf_jax.population.streams import Stream, stream
 from ipf_jax.spmd import loss_scaling, sharing
 from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
 from ipf_jax.spmd.mesh import DATA, PARTICLE
-from ipf_jax.spmd.particles import over_particles, particle_keys, per_particle
+from ipf_jax.spmd.particles import over_particles, particle_keys, per_particle, slot_keys
 from ipf_jax.spmd.spec import ParticleSpec
 from ipf_jax.spmd.state import ParticleState, state_specs
 from ipf_jax.spmd.task import Task
@@ -74,22 +74,28 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   """
   scaling = loss_scaling.of(state)
 
-  def loss_fn(params, shared, batch_stats, batch, key):
+  def loss_fn(params, shared, batch_stats, batch, keys):
+    model_key, augment_key = keys
+    if task.augment is not None:  # mixup: the particle's examples and targets, mixed
+      batch = task.augment(batch, augment_key)
     outputs, new_stats = task.apply(
-      {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, train=True, key=key
+      {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, train=True, key=model_key
     )
     return lax.pmean(task.loss(outputs, batch).mean(), DATA), new_stats
 
   grad_fn = scaling.value_and_grad(loss_fn, argnums=(0, 1))
   shared = jax.tree.map(lambda x: lax.pcast(x, (PARTICLE,), to="varying"), state.shared_params)
   num_local = state.log_weights.shape[0]
-  run = over_particles(grad_fn, spec.particle_loop, (0, None, 0, 0, 0 if task.rngs else None))
+  run = over_particles(grad_fn, spec.particle_loop, (0, None, 0, 0, 0))
 
   def micro_step(batch_stats, micro_batch, m):
-    micro_key = (
-      stream(key, Stream.MODEL) if spec.grad_accum_steps == 1 else jax.random.fold_in(stream(key, Stream.MODEL), m)
+    def micro_key(purpose):
+      return stream(key, purpose) if spec.grad_accum_steps == 1 else jax.random.fold_in(stream(key, purpose), m)
+
+    keys = (
+      particle_keys(micro_key(Stream.MODEL), num_local) if task.rngs else None,
+      slot_keys(micro_key(Stream.AUGMENT), num_local) if task.augment is not None else None,
     )
-    keys = particle_keys(micro_key, num_local) if task.rngs else None
     (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, batch_stats, micro_batch, keys)
     return loss, batch_stats, grads, shared_grads, proposed
 

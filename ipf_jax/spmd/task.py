@@ -29,9 +29,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from ipf_jax.evaluation import metrics as metrics_lib
 from ipf_jax.spmd import nnx_bridge
+from ipf_jax.spmd.mesh import DATA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,9 @@ class Task:
     diversity: ``(predictive [L, b, ...], alive [L], mask [b], total) -> dict of additive sums`` of the
       population's diversity (``total`` sums an array over all particles), or ``None``.
     finalize_diversity: host ``sums -> {metric: value}`` for ``diversity``.
+    augment: ``(batch, key) -> batch``, a train-time transform of one particle's shard of the batch inside
+      the train step, before the model and the loss (``mix``: mixup), with a key per particle and step; or
+      ``None``. It may use collectives over ``"data"`` (the particle's other shards).
   """
 
   model: Any  # nn.Module, or nnx_bridge.NNXModel (made from an NNX module in __post_init__)
@@ -66,6 +71,7 @@ class Task:
   rngs: tuple = ()
   diversity: Optional[Callable] = None
   finalize_diversity: Optional[Callable[[dict], dict]] = None
+  augment: Optional[Callable[[dict, jax.Array], dict]] = None
 
   def __post_init__(self):
     if nnx_bridge.is_nnx(self.model):  # frozen: the adapted model replaces the one given, once
@@ -94,17 +100,30 @@ class Task:
 
 
 def classification(
-  model: nn.Module, label_smoothing: float = 0.0, inputs: str = "image", label: str = "label", rngs: tuple = ()
+  model: nn.Module,
+  label_smoothing: float = 0.0,
+  inputs: str = "image",
+  label: str = "label",
+  rngs: tuple = (),
+  mixup: float = 0.0,
+  num_classes: Optional[int] = None,
 ) -> Task:
-  """Softmax cross-entropy on integer labels (``label_smoothing`` optional); the ensembles average class
-  probabilities; scored by accuracy, NLL, ECE, Brier, selective prediction and tempered NLL / ECE / Brier
-  (``metrics.classification_sums``); the population's disagreement and pairwise KL (``metrics.diversity_sums``)."""
+  """Softmax cross-entropy on integer labels ``[b]`` or soft targets ``[b, C]`` (class probabilities;
+  ``label_smoothing`` optional on either); ``mixup > 0``: big_vision's mixup in the train step (``mix``,
+  needs ``num_classes``). The ensembles average class probabilities; scored (integer labels) by accuracy,
+  NLL, ECE, Brier, selective prediction and tempered NLL / ECE / Brier (``metrics.classification_sums``);
+  the population's disagreement and pairwise KL (``metrics.diversity_sums``)."""
+  if mixup and not num_classes:
+    raise ValueError("classification(mixup=...) needs num_classes: mixup mixes one-hot targets")
 
   def loss(logits, batch):
+    y = batch[label]
+    if y.ndim < logits.ndim and not label_smoothing:
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    targets = y if y.ndim == logits.ndim else jax.nn.one_hot(y, logits.shape[-1])
     if label_smoothing:
-      targets = optax.smooth_labels(jax.nn.one_hot(batch[label], logits.shape[-1]), label_smoothing)
-      return optax.softmax_cross_entropy(logits, targets)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[label])
+      targets = optax.smooth_labels(targets, label_smoothing)
+    return optax.softmax_cross_entropy(logits, targets)
 
   return Task(
     model=model,
@@ -116,6 +135,7 @@ def classification(
     rngs=rngs,
     diversity=metrics_lib.diversity_sums,
     finalize_diversity=metrics_lib.finalize_diversity,
+    augment=mix(mixup, num_classes, inputs, label) if mixup else None,
     columns=(
       ("accuracy", "accuracy", "{:.2%}"),
       ("NLL", "nll", "{:.4f}"),
@@ -123,6 +143,37 @@ def classification(
       ("Brier", "brier", "{:.4f}"),
     ),
   )
+
+
+def mix(p: float, num_classes: int, inputs: str = "image", label: str = "label") -> Callable:
+  """big_vision's mixup (``utils.mixup``, n = 2) as a ``Task.augment``: one ratio ``r ~ Dirichlet(p, p)``
+  per particle and step, sorted so that ``r_0 >= r_1`` (an example keeps the larger share), and each of
+  the particle's examples mixed with the one before it, ``x_j <- r_0 x_j + r_1 x_{j-1}`` (``x_0`` with the
+  last), its targets alike (integer labels as one-hot, soft ones as they are). "The one before" runs over
+  the particle's whole batch, across its data shards (one example moves between neighbouring shards,
+  ``ppermute`` over ``"data"``), so a particle's mixed batch does not depend on the mesh."""
+
+  def augment(batch: dict, key: jax.Array) -> dict:
+    r = jnp.sort(jax.random.dirichlet(key, jnp.full((2,), p, jnp.float32)))[::-1]  # r_0 >= r_1, as big_vision
+    y = batch[label]
+    targets = y.astype(jnp.float32) if y.ndim > 1 else jax.nn.one_hot(y, num_classes)
+
+    def blend(x):
+      return (r[0] * x + r[1] * roll_over_data(x)).astype(x.dtype)
+
+    return {**batch, inputs: blend(batch[inputs]), label: blend(targets)}
+
+  return augment
+
+
+def roll_over_data(x: jax.Array) -> jax.Array:
+  """``x`` (this device's shard of a particle's examples) as its part of the whole batch rolled by one
+  along the examples (``out_j = x_{j-1}``): the previous ``"data"`` shard's last example comes first."""
+  n = lax.axis_size(DATA)
+  last = x[-1:]
+  if n > 1:
+    last = lax.ppermute(last, DATA, [(d, (d + 1) % n) for d in range(n)])
+  return jnp.concatenate([last, x[:-1]], axis=0)
 
 
 # ---- regression ----------------------------------------------------------------------------------------------
