@@ -1,6 +1,7 @@
 """mixup and soft targets (issue: ViTs, optimizers, fine-tuning, item 3): the loss against numpy, the step
 against the plain-loop reference (which mixes each particle's batch in numpy) on meshes where a particle's
-batch is whole on one device and where it is split over 4 and 2 data shards."""
+batch is split over 4 and over 2 data shards (with gradient accumulation): a roll that stayed on one shard
+fails both."""
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ def test_soft_targets_loss_is_cross_entropy_against_numpy(smoothing):
   )
 
 
-@pytest.mark.parametrize("dp,dd,p,k", [(8, 1, 8, 1), (2, 4, 4, 1), (4, 2, 8, 2)])
+@pytest.mark.parametrize("dp,dd,p,k", [(2, 4, 4, 1), (4, 2, 8, 2)])
 def test_mixup_step_matches_reference(dp, dd, p, k):
   """The particle's batch mixed with one ratio per particle and step, each example with the one before it
   across the particle's data shards (with gradient accumulation: within each micro-batch), as the
@@ -50,14 +51,7 @@ def test_mixup_step_matches_reference(dp, dd, p, k):
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=3)
   assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
   assert_same_run(s, ref, spmd, refr)
-  # mixup changed the run: the same steps without it train other weights
-  plain = run_both(
-    helpers.tiny_config(num_particles=p, temperature=4.0, correction=0.5, ess_threshold=0.9, grad_accum_steps=k),
-    dp,
-    dd,
-    num_steps=1,
-  )[3]
-  assert not np.allclose(plain[0]["loss"], refr[0]["loss"])
+  assert s.task.augment is not None and ref.mixup == 0.4  # both sides mixed (a fail above, if the roll breaks)
 
 
 def test_mixup_fields_are_checked():
