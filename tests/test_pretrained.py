@@ -100,3 +100,39 @@ def test_train_py_fine_tunes_a_population_from_another_runs_fused_model(tmp_path
   )
   assert second.returncode == 0, second.stderr[-3000:]
   assert "final evaluation at step 4" in second.stdout
+
+
+def test_one_particle_of_another_runs_newest_checkpoint(tmp_path):
+  """init_particle = i: every particle starts from particle i of the workdir's newest checkpoint, its
+  shared parameters merged back and its batch statistics with it; an index the run lacks is one error."""
+  from ipf_jax.config import builder
+  from ipf_jax.runtime import checkpoint
+
+  source = config_for(mode="ensemble", shared_params="^Conv_0/")  # independent inits: the particles differ
+  task = builder.zoo_task(source, 10)
+  example = {"image": np.zeros((1, 8, 8, 1), np.float32), "label": np.zeros((1,), np.int32)}
+  state = ipf_jax.build(source, task, example).init_state()
+  state = state.replace(
+    batch_stats=jax.tree.map(lambda x: x + np.arange(4).reshape((4,) + (1,) * (x.ndim - 1)), state.batch_stats)
+  )
+  for step in (3, 5):  # the newest is read
+    ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(step, jax.tree.map(lambda x, s=step: x * (s == 5), state) if step == 3 else state, source)
+    ckpt.close()
+  saved = jax.device_get(state)
+  want = traverse_util.flatten_dict(
+    sharing.merge(jax.tree.map(lambda x: x[2], saved.params), saved.shared_params), sep="/"
+  )
+  _, params = first_state(config_for(init_from=str(tmp_path), init_particle=2, init_reinit="^Dense_0/"))
+  for name, value in want.items():
+    if not name.startswith("Dense_0/"):
+      np.testing.assert_array_equal(params[name], np.broadcast_to(value, params[name].shape), err_msg=name)
+  assert not np.allclose(params["Dense_0/kernel"][0], want["Dense_0/kernel"])  # the head fresh
+  started, _ = first_state(config_for(init_from=str(tmp_path), init_particle=2))
+  np.testing.assert_array_equal(
+    started.batch_stats["BatchNorm_0"]["mean"][1], saved.batch_stats["BatchNorm_0"]["mean"][2]
+  )
+  with pytest.raises(ConfigError, match="config.init_particle: must be < 4"):
+    first_state(config_for(init_from=str(tmp_path), init_particle=4))
+  with pytest.raises(ConfigError, match="config.init_particle: .*holds no checkpoint"):
+    first_state(config_for(init_from=str(tmp_path / "checkpoints" / "nowhere"), init_particle=0))

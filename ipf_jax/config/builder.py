@@ -136,7 +136,9 @@ def _check_init(config: ml_collections.ConfigDict, task: Task, spec: ParticleSpe
 
 def _start(config: ml_collections.ConfigDict, task: Task, example: dict) -> dict:
   """``config.init_from``'s values for ``task``'s model, checked against its shapes (nothing compiled)."""
-  return pretrained.for_model(config.init_from, config.init_reinit, state_lib.variables_shapes(task, example))
+  return pretrained.for_model(
+    config.init_from, config.init_reinit, state_lib.variables_shapes(task, example), config.init_particle
+  )
 
 
 def state_shapes(

@@ -122,6 +122,8 @@ def _particles(config: ml_collections.ConfigDict) -> None:
   config.init_from = ""                # start every particle from one checkpoint: an exported fused model, a
                                        # run's workdir (its fused model), a Flax msgpack or a .npz of
                                        # /-joined names ("" = from config.init)
+  config.init_particle = -1            # init_from a run's workdir: >= 0 that particle of its newest checkpoint
+                                       # instead of its fused model
   config.init_reinit = ""              # init_from: regex of parameter paths initialised fresh (per particle,
                                        # as config.init says) instead of loaded, e.g. "^head/"
   config.init = "auto"                 # auto | shared | independent: one init for all particles (fusion needs it)

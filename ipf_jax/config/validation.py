@@ -152,6 +152,16 @@ def _validate_numbers(config: ml_collections.ConfigDict) -> None:
 
 def validate_algorithm(config: ml_collections.ConfigDict) -> None:
   """The particle filter's fields (docs/DESIGN.md §3): the population, weights, correction, resampling."""
+  _check(
+    isinstance(config.init_particle, int) and config.init_particle >= -1,
+    "init_particle",
+    f"must be -1 (the fused model) or a particle's index, got {config.init_particle!r}",
+  )
+  _check(
+    config.init_particle == -1 or bool(config.init_from),
+    "init_particle",
+    f"={config.init_particle} needs config.init_from, the workdir of the run whose particle to start from",
+  )
   try:
     re.compile(config.init_reinit)
   except re.error as e:

@@ -3,10 +3,12 @@ values, except the parameters ``config.init_reinit`` matches, which start fresh 
 a new label set). The fused model of such a population averages networks that share a start: a learned soup.
 
 What can be loaded: this project's exported fused model (``WORKDIR/fused_model``, its ``.msgpack``, or the
-workdir itself), or a plain Flax file: msgpack of ``{"params": ..., "batch_stats": ...}`` or of the params
-alone, or ``.npz`` of ``/``-joined names (big_vision's checkpoints; a ``params/`` prefix is dropped). Shapes
-are checked on the host, before anything compiles: a parameter that does not fit, one the model lacks and one
-the file lacks are each named, with the regex that would leave them fresh.
+workdir itself); one particle of a run's newest checkpoint (``init_particle = i``: ``WORKDIR/checkpoints/
+<step>/state``, read on the host with orbax, shared parameters merged back); or a plain Flax file: msgpack of
+``{"params": ..., "batch_stats": ...}`` or of the params alone, or ``.npz`` of ``/``-joined names
+(big_vision's checkpoints; a ``params/`` prefix is dropped). Shapes are checked on the host, before anything
+compiles: a parameter that does not fit, one the model lacks and one the file lacks are each named, with the
+regex that would leave them fresh.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import re
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import serialization, traverse_util
 
 from ipf_jax.errors import ConfigError
+from ipf_jax.spmd import sharing
 
 COLLECTIONS = ("params", "batch_stats")
 
@@ -35,8 +39,11 @@ def _resolve(path: str) -> str:
   )
 
 
-def read(path: str) -> dict:
-  """``{collection: {"a/b/kernel": array}}`` from the file ``path`` names (``_resolve``)."""
+def read(path: str, particle: int = -1) -> dict:
+  """``{collection: {"a/b/kernel": array}}`` from the file ``path`` names (``_resolve``), or with
+  ``particle >= 0`` that particle of the newest checkpoint in the workdir ``path``."""
+  if particle >= 0:
+    return read_particle(path, particle)
   file = _resolve(path)
   try:
     if file.endswith(".npz"):
@@ -54,6 +61,42 @@ def read(path: str) -> dict:
   return {"params": traverse_util.flatten_dict(tree, sep="/")}
 
 
+def read_particle(workdir: str, particle: int) -> dict:
+  """Particle ``particle`` of the newest checkpoint in ``workdir`` (``checkpoints/<step>/state``), as numpy:
+  its parameters (with the shared ones merged back) and batch statistics."""
+  root = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+  if not steps:
+    raise ConfigError(
+      "init_particle",
+      f"{workdir!r} holds no checkpoint (checkpoints/<step>): give a run's workdir, or init_particle=-1 for "
+      "an exported fused model or a Flax file",
+    )
+  where = os.path.join(root, str(steps[-1]), "state")
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      tree = ckptr.metadata(where).item_metadata.tree
+      wanted = {k: tree[k] for k in ("params", "batch_stats", "shared_params") if tree.get(k) is not None}
+      restore = ocp.args.PyTreeRestore(
+        item=wanted,
+        restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted),
+        partial_restore=True,
+      )
+    with ocp.PyTreeCheckpointer() as ckptr:
+      state = ckptr.restore(where, args=restore)
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ConfigError("init_from", f"{where} could not be read ({type(e).__name__}: {e})") from None
+  num = len(jax.tree.leaves(state["params"])[0])
+  if particle >= num:
+    raise ConfigError("init_particle", f"must be < {num}: the checkpoint at {where} holds {num} particles")
+  one = jax.tree.map(lambda x: np.asarray(x[particle]), {k: state[k] for k in ("params", "batch_stats") if k in state})
+  params = sharing.merge(one["params"], jax.tree.map(np.asarray, state.get("shared_params") or {}))
+  out = {"params": traverse_util.flatten_dict(params, sep="/")}
+  if one.get("batch_stats"):
+    out["batch_stats"] = traverse_util.flatten_dict(one["batch_stats"], sep="/")
+  return out
+
+
 def _by_collection(flat: dict) -> dict:
   out = {}
   for name, value in flat.items():
@@ -65,11 +108,12 @@ def _by_collection(flat: dict) -> dict:
   return out
 
 
-def for_model(path: str, reinit: str, variables_shape: dict) -> dict:
+def for_model(path: str, reinit: str, variables_shape: dict, particle: int = -1) -> dict:
   """The loaded values that start the model, ``{collection: {path: array}}`` cast to the model's dtypes:
   every parameter but those ``reinit`` matches (``re.search`` on ``/``-joined paths). ``variables_shape``:
-  the model's ``init`` output as ``ShapeDtypeStruct``s. Batch statistics load where the file has them."""
-  loaded, regex = read(path), re.compile(reinit) if reinit else None
+  the model's ``init`` output as ``ShapeDtypeStruct``s. Batch statistics load where the file has them.
+  ``particle >= 0``: that particle of the newest checkpoint of the workdir ``path`` (``read_particle``)."""
+  loaded, regex = read(path, particle), re.compile(reinit) if reinit else None
   fresh = (lambda name: bool(regex.search(name))) if regex else (lambda name: False)
   start, problems = {}, []
   for collection in COLLECTIONS:
