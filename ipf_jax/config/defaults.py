@@ -93,6 +93,8 @@ def _optimiser(config: ml_collections.ConfigDict) -> None:
   config.warmup_steps = 20             # linear warmup, then cosine decay to 0
   config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
   config.label_smoothing = 0.0         # cross-entropy label smoothing
+  config.randaugment_layers = 0        # TFDS data: RandAugment(layers, magnitude) in tf.data after the crop
+  config.randaugment_magnitude = 10.0  # and flip (big_vision's ViT recipe: 2, 10); 0 layers = off
   config.mixup = 0.0                   # > 0: mixup in the step, ratio ~ Dirichlet(mixup, mixup) (big_vision: 0.2)
   config.grad_accum_steps = 1          # k: each step's global batch runs as k micro-batches of G / k (activation
                                        # memory of G / k), gradients and losses averaged, then one filter step

@@ -223,6 +223,16 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
   _check(
+    isinstance(config.randaugment_layers, int) and config.randaugment_layers >= 0,
+    "randaugment_layers",
+    f"must be an integer >= 0 (0 = off; big_vision's ViT recipe: 2), got {config.randaugment_layers!r}",
+  )
+  _check(
+    0 <= config.randaugment_magnitude <= 30,
+    "randaugment_magnitude",
+    f"must be in [0, 30] (10 levels = the published operation ranges), got {config.randaugment_magnitude}",
+  )
+  _check(
     config.mixup >= 0,
     "mixup",
     f"must be >= 0 (0 = off; > 0 the Dirichlet concentration of the mixing ratio, big_vision 0.2), got {config.mixup}",

@@ -42,5 +42,6 @@ def create_dataset(config: ml_collections.ConfigDict):
       config.image_size,
       shuffle_buffer=config.shuffle_buffer,
       small_images=config.dataset != "imagenet2012",
+      randaugment=(config.randaugment_layers, config.randaugment_magnitude),
     )
   raise ConfigError("dataset", f"unknown dataset {config.dataset!r}; use one of {', '.join(DATASETS)}")

@@ -132,6 +132,7 @@ class TFDSDataset:
   image_size: int
   shuffle_buffer: int = 16_384
   small_images: bool = False  # CIFAR: resize to image_size (no-op at 32), pad-4 random crop + flip
+  randaugment: tuple = (0, 10.0)  # (layers, magnitude): RandAugment after the crop and flip; 0 layers: off
 
   process_local = True  # train batches hold only this process's examples
   eval_process_local = True  # and eval batches only this process's part of the eval split
@@ -176,6 +177,7 @@ class TFDSDataset:
     ds = ds.enumerate().skip(skip)
     name, size, small, channels = self.name, self.image_size, self.small_images, self.channels
     image_feature = self.builder.info.features["image"]
+    layers, magnitude = self.randaugment
 
     def augment(index, example):
       key = tf.stack([tf.cast(seed * 100_003 + epoch, tf.int64), index])
@@ -188,6 +190,13 @@ class TFDSDataset:
       else:
         image = _random_resized_crop(tf, image, size, crop_seed)
       image = tf.image.stateless_random_flip_left_right(image, seed=flip_seed)
+      if layers:  # on the pixels the crop gave, as uint8 (PIL's operations), seeded by the example
+        from ipf_jax.data import randaugment
+
+        pixels = tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
+        pixels.set_shape((size, size, channels))
+        augment_seed = key + tf.constant([0, 2 << 40], tf.int64)
+        image = randaugment.randaugment(pixels, layers, magnitude, augment_seed)
       return {"image": _normalize(tf, image, name), "label": tf.cast(example["label"], tf.int32)}
 
     ds = ds.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
