@@ -150,8 +150,8 @@ def _validate_numbers(config: ml_collections.ConfigDict) -> None:
     _check_choice(config, field, choices)
 
 
-def validate_algorithm(config: ml_collections.ConfigDict) -> None:
-  """The particle filter's fields (docs/DESIGN.md §3): the population, weights, correction, resampling."""
+def _validate_init(config: ml_collections.ConfigDict) -> None:
+  """Where the population starts: ``init_from``, ``init_particle``, ``init_reinit`` (DESIGN.md §8)."""
   _check(
     isinstance(config.init_particle, int) and config.init_particle >= -1,
     "init_particle",
@@ -166,6 +166,11 @@ def validate_algorithm(config: ml_collections.ConfigDict) -> None:
     re.compile(config.init_reinit)
   except re.error as e:
     raise ConfigError("init_reinit", f"is not a valid regular expression ({e}); e.g. '^head/'") from None
+
+
+def validate_algorithm(config: ml_collections.ConfigDict) -> None:
+  """The particle filter's fields (docs/DESIGN.md §3): the population, weights, correction, resampling."""
+  _validate_init(config)
   try:
     re.compile(config.shared_params)
   except re.error as e:
