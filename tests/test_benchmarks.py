@@ -179,7 +179,10 @@ def test_fashion_mnist_input_tiny(fashion_dir):
     "1",
     "--rounds",
     "1",
+    "--randaugment",
+    "2,10",
     devices=8,
   )
   (row,) = s["rows"]
   assert row["model"] == "cnn" and row["pipeline_img_s"] > 0 and row["step_img_s"] > 0 and row["together_img_s"] > 0
+  assert row["randaugment_img_s"] > 0
