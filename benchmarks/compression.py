@@ -64,9 +64,10 @@ def collective_bytes(hlo: str) -> dict:
     )
     groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
     n = len(groups.group(1).split(",")) if groups else jax.device_count()
-    # A ring all-reduce sends 2(n-1)/n of its buffer, all-gather/all-to-all/reduce-scatter (n-1)/n (a
-    # device's own block stays), a collective-permute all of it (source and target differ).
-    factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(op, (n - 1) / n)
+    # A ring all-reduce sends 2(n-1)/n of its buffer, all-gather/all-to-all (n-1)/n (a device's own block
+    # stays), a reduce-scatter (n-1)/n of its input (n times the result that the HLO line shows), a
+    # collective-permute all of it (source and target differ).
+    factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0, "reduce-scatter": n - 1}.get(op, (n - 1) / n)
     out[op] = out.get(op, 0.0) + factor * size
   return out
 

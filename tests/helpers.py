@@ -319,3 +319,17 @@ def venv_env(bin_dir):
     PIP_DISABLE_PIP_VERSION_CHECK="1",
     VIRTUAL_ENV=os.path.dirname(bin_dir),
   )
+
+
+def saved_after_one_step(config, dp, dd, directory):
+  """One train step of ``config`` on a ``(dp, dd)`` mesh, saved to ``directory``: ``(host state, images, labels)``."""
+  from ipf_jax.runtime import checkpoint as checkpoint_lib
+
+  src = Setup(config, dp, dd)
+  images, labels = particle_batches(config.num_particles, 1)[0]
+  src.state, _ = src.train_step(src.state, src.put(images, labels))
+  saved = src.host_state()
+  ckpt = checkpoint_lib.Checkpointer(str(directory), async_save=False)
+  ckpt.save(1, src.state, config)
+  ckpt.close()
+  return saved, images, labels

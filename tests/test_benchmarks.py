@@ -59,6 +59,19 @@ def test_memory_benchmark_tiny():
   assert peaks["L=1"] > 0 and peaks["L=4"] > peaks["L=1"], "4 particles hold more state than 1"
 
 
+def test_fsdp_memory_benchmark_tiny():
+  s = run_module(
+    "benchmarks.fsdp_memory",
+    *("--models", "cnn", "--optimizers", "adamw", "--dds", "2", "--image_size", "8", "--per_device_batch", "1"),
+    *("--min_size_mb", "0"),
+  )
+  whole, sharded = sorted(s["rows"], key=lambda r: r["fsdp"])
+  assert (whole["dd"], sharded["dd"], whole["fsdp"], sharded["fsdp"]) == (2, 2, False, True)
+  assert sharded["state_mib"] < 0.6 * whole["state_mib"], "the CNN's kernels are split over the 2 devices"
+  assert sharded["collective_bytes"].get("all-gather", 0) > 0 and "all-gather" not in whole["collective_bytes"]
+  assert sharded["peak_mib"] > 0 and whole["compile_s"] > 0
+
+
 def test_precision_benchmark_tiny():
   s = run_module(
     "benchmarks.precision_digits",

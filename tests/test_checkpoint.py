@@ -108,14 +108,7 @@ def test_incompatible_checkpoint_names_the_field(uninterrupted, tmp_path, flag, 
 
 @pytest.mark.parametrize("dp,dd", [(4, 1), (2, 2), (1, 2), (8, 1)])
 def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
-  config = helpers.tiny_config(num_particles=8)
-  src = helpers.Setup(config, 8, 1)
-  images, labels = helpers.particle_batches(8, 1)[0]
-  src.state, _ = src.train_step(src.state, src.put(images, labels))
-  saved = src.host_state()
-  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), async_save=False)
-  ckpt.save(1, src.state, config)
-  ckpt.close()
+  saved, images, labels = helpers.saved_after_one_step(helpers.tiny_config(num_particles=8), 8, 1, tmp_path)
 
   target = helpers.tiny_config(num_particles=8)
   dst = helpers.Setup(target, dp, dd)

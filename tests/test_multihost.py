@@ -155,3 +155,26 @@ def test_a_dead_peer_ends_the_survivor_within_a_minute(tmp_path):
   assert rc == 69 and time.monotonic() - t0 <= 60, out[-3000:]
   (error,) = [line for line in out.splitlines() if line.startswith("error: ")]
   assert "process" in error and "coordinator 127.0.0.1:" in error and "Rerun every process" in error
+
+
+def test_fsdp_on_two_hosts_equals_whole_particles_on_one(runs, tmp_path):
+  """config.fsdp on 2 hosts x 2 devices: each particle's blocks on the two devices of its host (its group),
+  gathered for every forward pass and reduce-scattered after the backward, while resampling moves blocks
+  between the hosts (gloo). The run (its steps, final state and evaluation) is the one-host run with whole
+  particles (the fixture's)."""
+  single, out_single, _, _ = runs
+  sharded = tmp_path / "sharded"
+  argv = helpers.train_py_argv(sharded, *FLAGS, f"--config.num_train_steps={STEPS}", "--config.num_cpu_devices=2")
+  out = helpers.run_processes(argv + ["--config.fsdp=True", "--config.fsdp_min_size_mb=0"], 2)[0]
+  assert "mesh (particle, data)=(2, 2) on 4 cpu device(s), 2 process(es)" in out
+  assert re.search(r"fsdp: [1-9]\d* of \d+ parameter and optimizer-state leaves \(\d+% of the bytes\) sharded", out)
+  np.testing.assert_allclose(step_lines(out), step_lines(out_single), atol=2e-4)
+  assert int(re.findall(r"resamples (\d+)", out)[-1]) > 0, "the test must exercise resampling"
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+    final_state(sharded, STEPS),
+    final_state(single, STEPS),
+  )
+  ev_whole, ev_sharded = (json.loads((w / "eval_results.json").read_text()) for w in (single, sharded))
+  for row in ("ensemble", "fused", "particles"):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), ev_sharded[row], ev_whole[row])

@@ -166,4 +166,11 @@ def _devices(config: ml_collections.ConfigDict) -> None:
   """Devices: the mesh (docs/DESIGN.md §2)."""
   config.num_devices = 0               # devices to use (0 = all)
   config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
+  config.fsdp = False                  # shard each particle's parameters and optimizer state over the Dd devices
+                                       # of its group, gathered for the forward pass (README "Running on
+                                       # devices"); sgd, adamw, lion; not with float16 or compress_correction
+  config.fsdp_min_size_mb = 1.0        # fsdp: leaves of at least this many MiB per particle are sharded, along
+                                       # their largest dimension that Dd divides; smaller ones stay whole
+                                       # (big_vision's min_size_to_shard_mb, whose 4 would leave ViT-B's 2.25 MiB
+                                       # attention kernels whole: 0.43 of the state per device at Dd = 8, not 0.13)
   config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)

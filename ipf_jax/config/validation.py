@@ -16,7 +16,7 @@ import ml_collections
 from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.spmd import mesh as mesh_lib
-from ipf_jax.spmd.optim import OPTIMIZERS
+from ipf_jax.spmd.optim import ELEMENTWISE, OPTIMIZERS
 from ipf_jax.spmd.spec import ParticleSpec
 
 MODES = ("ddp", "ensemble", "ipf")
@@ -128,7 +128,33 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   validate_algorithm(config)
   _validate_model(config)
   _validate_run(config)
+  _validate_fsdp(config)
   return _validate_mesh(config, available_devices)
+
+
+def _validate_fsdp(config: ml_collections.ConfigDict) -> None:
+  """``fsdp`` with what updates a block of a particle's weights from that block alone."""
+  _check(config.fsdp_min_size_mb >= 0, "fsdp_min_size_mb", f"must be >= 0 MiB, got {config.fsdp_min_size_mb}")
+  if not config.fsdp:
+    return
+  _check(
+    config.optimizer in ELEMENTWISE,
+    "fsdp",
+    f"shards each leaf of a particle, and optimizer={config.optimizer!r} needs whole leaves (lamb: each "
+    f"layer's trust ratio; adafactor: factored moments); use optimizer in {', '.join(ELEMENTWISE)} or fsdp=False",
+  )
+  _check(
+    config.dtype != "float16",
+    "fsdp",
+    "with dtype='float16' is not supported (each device would judge an overflow on its own block); use "
+    "dtype='bfloat16' or fsdp=False",
+  )
+  _check(
+    not config.compress_correction,
+    "fsdp",
+    "with compress_correction=True is not supported (its int8 blocks are cut from the whole particle); set "
+    "compress_correction=False or fsdp=False",
+  )
 
 
 def _validate_numbers(config: ml_collections.ConfigDict) -> None:

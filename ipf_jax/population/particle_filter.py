@@ -267,18 +267,27 @@ def _particle_bytes(x) -> int:
   return math.prod(x.shape[1:]) * x.dtype.itemsize
 
 
+def _varying_axes(x) -> frozenset:
+  """The mesh axes a leaf varies over inside ``shard_map`` (its type's manual axes; empty outside): a block
+  of a particle sharded over ``"data"`` (``config.fsdp``) varies over it, a whole leaf does not."""
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", ()))
+
+
 def buckets(leaves, limit: int = BUCKET_BYTES) -> list[list[int]]:
-  """Leaf indices grouped for one collective each: same dtype, in order, one particle's slices adding
-  up to at most ``limit`` bytes (a larger leaf goes alone), like DDP's gradient buckets."""
-  groups, current = [], {}  # current[dtype] = [indices, bytes] of the dtype's open bucket
+  """Leaf indices grouped for one collective each: same dtype and the same varying mesh axes (blocks and
+  whole leaves apart), in order, one particle's slices adding up to at most ``limit`` bytes (a larger leaf
+  goes alone), like DDP's gradient buckets."""
+  groups, current = [], {}  # current[dtype, axes] = [indices, bytes] of the kind's open bucket
   for i, x in enumerate(leaves):
     nbytes = _particle_bytes(x)
-    if nbytes > limit:  # alone; the dtype's open bucket stays open for the small leaves after it
+    if nbytes > limit:  # alone; the kind's open bucket stays open for the small leaves after it
       groups.append([i])
       continue
-    bucket = current.get(x.dtype)
+    kind = (x.dtype, _varying_axes(x))
+    bucket = current.get(kind)
     if bucket is None or bucket[1] + nbytes > limit:
-      bucket = current[x.dtype] = [[], 0]
+      bucket = current[kind] = [[], 0]
       groups.append(bucket[0])
     bucket[0].append(i)
     bucket[1] += nbytes
@@ -362,7 +371,7 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
   return jax.tree.unflatten(treedef, out)
 
 
-def jitter(params, src, key, sigma: float, axis_name: str):
+def jitter(params, src, key, sigma: float, axis_name: str, blocks: Optional[tuple] = None):
   """``theta += sigma * eps`` on the local slots that received a copy (``src[n] != n``).
 
   Slot ``n``'s noise is one float32 draw ``normal(fold_in(key, n), (its number of weights,))``, cut into the
@@ -370,20 +379,26 @@ def jitter(params, src, key, sigma: float, axis_name: str):
   compiles one RNG per leaf inside the resampling branch (+6 s per compile of the digits step, measured).
   Slots are drawn one at a time: the temporaries (the random bits, the normals, their pieces) are a few
   particles' weights in float32 (5x, compiled alone for the digits CNN), whatever ``L`` and the mesh.
-  Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` blocks.
+  Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` blocks. ``blocks`` = ``(dims,
+  axis)`` when some leaves are blocks of a particle sharded over ``axis`` (``fsdp.blocks``: each leaf's sharded
+  dimension of its ``[P, ...]`` leaf, or -1): the whole particle's noise is drawn and each device keeps its
+  block, so the copies are the same as with whole particles.
   """
   leaves, treedef = jax.tree.flatten(params)
   num_local = leaves[0].shape[0]
   first = lax.axis_index(axis_name) * num_local
   slots = first + jnp.arange(num_local)
   copied = lax.dynamic_slice_in_dim(src, first, num_local) != slots
-  sizes = [math.prod(x.shape[1:]) for x in leaves]
+  dims, block_axis = blocks or ((-1,) * len(leaves), None)
+  shapes = [_whole_shape(x.shape[1:], d, block_axis) for x, d in zip(leaves, dims)]
+  sizes = [math.prod(shape) for shape in shapes]
 
   def add_noise(j, out):
     eps = jnp.split(jax.random.normal(jax.random.fold_in(key, slots[j]), (sum(sizes),)), np.cumsum(sizes)[:-1])
+    eps = [_block(e.reshape(shape), d, block_axis) for e, shape, d in zip(eps, shapes, dims)]
     return [
       lax.dynamic_update_index_in_dim(
-        x, lax.dynamic_index_in_dim(x, j, keepdims=False) + (sigma * e.reshape(x.shape[1:])).astype(x.dtype), j, 0
+        x, lax.dynamic_index_in_dim(x, j, keepdims=False) + (sigma * e).astype(x.dtype), j, 0
       )
       for x, e in zip(out, eps)
     ]
@@ -393,6 +408,21 @@ def jitter(params, src, key, sigma: float, axis_name: str):
     0, num_local, lambda j, out: lax.cond(copied[j], add_noise, lambda j, out: out, j, out), leaves
   )
   return jax.tree.unflatten(treedef, leaves)
+
+
+def _whole_shape(shape: tuple, dim: int, axis: Optional[str]) -> tuple:
+  """A particle's leaf shape from its block's (``dim``: the block's dimension of the ``[P, ...]`` leaf, -1 whole)."""
+  if dim < 0:
+    return tuple(shape)
+  return tuple(n * lax.axis_size(axis) if i == dim - 1 else n for i, n in enumerate(shape))
+
+
+def _block(whole, dim: int, axis: Optional[str]):
+  """This device's block of a particle's whole leaf (``_whole_shape``'s inverse)."""
+  if dim < 0:
+    return whole
+  size = whole.shape[dim - 1] // lax.axis_size(axis)
+  return lax.dynamic_slice_in_dim(whole, lax.axis_index(axis) * size, size, axis=dim - 1)
 
 
 def resample(
@@ -405,6 +435,7 @@ def resample(
   axis_name: str = "particle",
   exchange: Exchange = exchange_all_to_all,
   islands: int = 1,
+  blocks: Optional[tuple] = None,
 ):
   """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
@@ -417,6 +448,7 @@ def resample(
   Args:
     particle: tuple ``(params, ...)`` of local ``[L, ...]`` trees that move together.
     log_w: ``[L]`` local log-weights; ``all_log_w``: ``[P]`` all of them (replicated).
+    blocks: ``jitter``'s, when the parameters are blocks of sharded particles (``fsdp.blocks``).
   Returns:
     ``(particle, uniform log-weights [L], src [P])``.
   """
@@ -424,5 +456,5 @@ def resample(
   src = sources(u, all_log_w, islands)
   params, *rest = exchange(particle, src, axis_name, axis_size)
   if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
-    params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name)
+    params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name, blocks)
   return (params, *rest), jnp.full_like(log_w, -jnp.log(all_log_w.shape[0])), src

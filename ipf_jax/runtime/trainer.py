@@ -22,7 +22,7 @@ from ipf_jax.runtime import checkpoint as checkpoint_lib
 from ipf_jax.runtime import compatibility, loop, preemption, run_eval
 from ipf_jax.runtime import workdir as workdir_lib
 from ipf_jax.runtime.preemption import RunStopped
-from ipf_jax.spmd import optim
+from ipf_jax.spmd import fsdp, optim
 from ipf_jax.spmd import mesh as mesh_lib
 from ipf_jax.spmd.task import Task
 
@@ -163,6 +163,8 @@ class _Run:
       p,
       g // p,
     )
+    if self.config.fsdp:
+      log.info("%s", fsdp.summary(self.parts.abstract_state))
 
   def state_signature(self, config: ml_collections.ConfigDict) -> compatibility.Signature:
     """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task

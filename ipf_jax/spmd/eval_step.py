@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Iterator
 
 import jax
@@ -14,10 +15,10 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax.data.errors import DataError
 from ipf_jax.population import correction
 from ipf_jax.population import particle_filter as pf
-from ipf_jax.spmd import fusion, layout, sharing
+from ipf_jax.spmd import fsdp, fusion, layout, sharing
 from ipf_jax.spmd.mesh import DATA, PARTICLE
 from ipf_jax.spmd.particles import over_particles
-from ipf_jax.spmd.state import ParticleState, state_specs
+from ipf_jax.spmd.state import ParticleState, shard_map_on_state
 from ipf_jax.spmd.task import Task
 
 
@@ -33,16 +34,19 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
   ``fusion.make_fused_bn_fn``), ``fused_bn``; plus ``weights`` ``[P]``.
   """
 
-  def predict(params, shared, batch_stats, batch):
+  def predict(params, shared, batch_stats, batch, dims=None):
+    params = fsdp.gather(params, dims, invariant=True) if fsdp.is_sharded(dims) else params  # config.fsdp
     outputs = task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, train=False)
     return task.predictive(outputs, batch)
 
-  def local_eval(state: ParticleState, batch, fused_bn):
+  def local_eval(dims, state: ParticleState, batch, fused_bn):
     mine = batch  # this device's part: the fused model (one model, replicated) is evaluated on it alone
     batch = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), batch)  # my data group's examples, every device
     mask = batch["mask"]
     shared = state.shared_params
-    pred = over_particles(predict, particle_loop, (0, None, 0, None))(state.params, shared, state.batch_stats, batch)
+    pred = over_particles(functools.partial(predict, dims=dims), particle_loop, (0, None, 0, None))(
+      state.params, shared, state.batch_stats, batch
+    )
     w = jnp.exp(state.log_weights)
     alive = (w > 0).astype(jnp.float32)
     per_particle = jax.vmap(task.score, in_axes=(0, None, None))(pred, batch, mask)
@@ -54,16 +58,14 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
       "ensemble": task.score(ensemble, batch, mask),
       "ensemble_uniform": task.score(uniform, batch, mask),
     }
-    fused_sums = {"fused": task.score(predict(params, shared, stats, mine), mine, mine["mask"])}
+    fused_sums = {"fused": task.score(predict(params, shared, stats, mine, dims), mine, mine["mask"])}
     if fused_bn is not None:
-      fused_sums["fused_bn"] = task.score(predict(params, shared, fused_bn, mine), mine, mine["mask"])
+      fused_sums["fused_bn"] = task.score(predict(params, shared, fused_bn, mine, dims), mine, mine["mask"])
     if task.diversity is not None:
       sums["diversity"] = task.diversity(pred, alive, mask, lambda x: lax.psum(x, PARTICLE))
     return {**lax.psum(sums, DATA), **lax.psum(fused_sums, (PARTICLE, DATA)), "weights": pf.gather_all(w, PARTICLE)}
 
-  sharded = jax.jit(
-    jax.shard_map(local_eval, mesh=mesh, in_specs=(state_specs(), layout.EVAL_BATCH_SPEC, P()), out_specs=P())
-  )
+  sharded = jax.jit(shard_map_on_state(local_eval, mesh, (layout.EVAL_BATCH_SPEC, P()), lambda _: P()))
   return lambda state, batch, fused_bn=None: sharded(state, batch, fused_bn)
 
 

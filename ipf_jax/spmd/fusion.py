@@ -25,11 +25,11 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax.population import correction
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.population.streams import Stream, stream
-from ipf_jax.spmd import sharing
+from ipf_jax.spmd import fsdp, sharing
 from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
 from ipf_jax.spmd.mesh import PARTICLE
 from ipf_jax.spmd.particles import over_particles
-from ipf_jax.spmd.state import ParticleState, state_specs
+from ipf_jax.spmd.state import ParticleState, shard_map_on_state
 
 
 def fused(state: ParticleState):
@@ -43,32 +43,36 @@ def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
 
   ``variables`` = ``{"params": theta_bar (with the shared ones), "batch_stats": beta_bar}``, ready for
   a plain ``model.apply``; ``distances`` ``[P]`` = ``||theta_i - theta_bar||`` (particle diversity).
+  ``config.fsdp``: the weighted sum is taken block by block, then gathered.
   """
 
-  def local(state: ParticleState):
+  def local(dims, state: ParticleState):
     params, stats = fused(state)
-    variables = {"params": sharing.merge(params, state.shared_params), "batch_stats": stats}
-    return variables, _distances(state, params)
+    whole = fsdp.gather(params, dims, invariant=True) if fsdp.is_sharded(dims) else params
+    variables = {"params": sharing.merge(whole, state.shared_params), "batch_stats": stats}
+    return variables, _distances(state, params, dims)
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(),), out_specs=(P(), P())))
+  return jax.jit(shard_map_on_state(local, mesh, (), lambda _: (P(), P())))
 
 
 def make_diversity_fn(mesh: jax.sharding.Mesh) -> Callable:
   """``diversity(state) -> distances``, ``make_fuse_fn``'s second output alone (what a log line needs): the
   fused parameters are summed on the way, never returned, so no replicated copy of the model is kept."""
 
-  def local(state: ParticleState):
-    return _distances(state, correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE))
+  def local(dims, state: ParticleState):
+    return _distances(state, correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE), dims)
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(),), out_specs=P()))
+  return jax.jit(shard_map_on_state(local, mesh, (), lambda _: P()))
 
 
-def _distances(state: ParticleState, fused_params):
-  """``[P]`` ``||theta_i - theta_bar||`` over the particles' own (not shared) parameters, gathered."""
-  sq = sum(
+def _distances(state: ParticleState, fused_params, dims=None):
+  """``[P]`` ``||theta_i - theta_bar||`` over the particles' own (not shared) parameters, gathered
+  (``config.fsdp``: the blocks' squares summed over ``"data"``)."""
+  sq = [
     jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
     for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_params))
-  )
+  ]
+  sq = fsdp.sum_over_blocks(sq, dims) if fsdp.is_sharded(dims) else sum(sq)
   return pf.gather_all(jnp.sqrt(sq), PARTICLE)
 
 
@@ -83,8 +87,9 @@ def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap")
   ``a = (1 - m) s`` and ``b = m + (1 - m) s``, so ``s = a / (1 - (b - a))``.
   """
 
-  def local(state: ParticleState, batch):
+  def local(dims, state: ParticleState, batch):
     params = correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE)  # stats are replaced
+    params = fsdp.gather(params, dims, invariant=True) if fsdp.is_sharded(dims) else params
     params = sharing.merge(params, state.shared_params)
     key = stream(state.rng, Stream.FUSED_BN) if task.rngs else None
 
@@ -99,7 +104,7 @@ def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap")
     stats = over_particles(one, particle_loop, (0,))(batch)
     return lax.pmean(jax.tree.map(lambda x: jnp.mean(x, axis=0), stats), PARTICLE)
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(state_specs(), TRAIN_BATCH_SPEC), out_specs=P()))
+  return jax.jit(shard_map_on_state(local, mesh, (TRAIN_BATCH_SPEC,), lambda _: P()))
 
 
 def reestimate_bn(

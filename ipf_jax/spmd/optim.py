@@ -13,6 +13,8 @@ import ml_collections
 import optax
 from flax.training import dynamic_scale
 
+from ipf_jax.spmd import fsdp
+
 
 def lr_scale(
   rule: str, global_batch_size: int, reference_batch_size: int, devices: int = 1, num_particles: int = 1
@@ -49,6 +51,21 @@ def _decay_mask(params):
 
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lion", "adafactor")
+ELEMENTWISE = ("sgd", "adamw", "lion")  # an update of a block of the weights needs that block only (config.fsdp)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """``optax.clip_by_global_norm`` (the same state, ``EmptyState``, and the same numbers) whose norm is over
+  the particle's whole leaves when its blocks are sharded over ``"data"`` (``config.fsdp``: ``fsdp.global_norm``
+  sums the blocks' squares over the group)."""
+
+  def update(updates, state, params=None):
+    del params
+    norm = fsdp.global_norm(updates)
+    trigger = jnp.squeeze(norm < max_norm)
+    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def _core(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -> list[optax.GradientTransformation]:
@@ -81,7 +98,7 @@ def create_optimizer(config: ml_collections.ConfigDict, lr_fn: optax.Schedule) -
   particle in resampling. Gradient accumulation (``grad_accum_steps``) happens inside the train step, before
   the filter (``step.accumulate``).
   """
-  clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm else []
+  clip = [clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm else []
   return optax.chain(*clip, *_core(config, lr_fn))  # sgd's chain as before there was a choice: checkpoints fit
 
 

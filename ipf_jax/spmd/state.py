@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, Optional
 
 import flax
 import jax
@@ -12,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.population import compression
-from ipf_jax.spmd import optim, pretrained, sharing
-from ipf_jax.spmd.mesh import PARTICLE
+from ipf_jax.spmd import fsdp, optim, pretrained, sharing
+from ipf_jax.spmd.mesh import DATA, PARTICLE
 
 
 @flax.struct.dataclass
@@ -51,10 +52,12 @@ class ParticleState:
   num_overflows: Any = None
 
 
-def state_specs() -> ParticleState:
-  """``PartitionSpec`` prefix tree: per-particle leaves over ``"particle"``, the rest replicated."""
+def state_specs(state: Optional[ParticleState] = None) -> ParticleState:
+  """``PartitionSpec`` prefix tree: per-particle leaves over ``"particle"``, the rest replicated. With
+  ``state`` (arrays, or inside ``jit`` their types): its parameters' and optimizer state's specs leaf by leaf,
+  as their arrays carry them (``config.fsdp``: some over ``"data"`` too)."""
   per = P(PARTICLE)
-  return ParticleState(
+  specs = ParticleState(
     params=per,
     batch_stats=per,
     opt_state=per,
@@ -69,11 +72,37 @@ def state_specs() -> ParticleState:
     dynamic_scale=P(),
     num_overflows=P(),
   )
+  if state is None:
+    return specs
+  return specs.replace(params=fsdp.specs_of(state.params), opt_state=fsdp.specs_of(state.opt_state))
 
 
-def state_shardings(mesh: jax.sharding.Mesh, state_shape: ParticleState) -> ParticleState:
-  """A ``NamedSharding`` for every leaf of ``state_shape``."""
+def shard_map_on_state(fn: Callable, mesh: jax.sharding.Mesh, in_specs: tuple, out_specs: Callable) -> Callable:
+  """``call(state, *args)``: ``fn(dims, state, *args)`` under ``shard_map``, the state's specs read from its
+  arrays when traced (``state_specs(state)``: so the layout, ``config.fsdp`` or not, travels with the state and
+  its checkpoint), ``dims`` its parameters' (``fsdp.dims_of``), ``in_specs`` the other arguments' and
+  ``out_specs(state_specs)`` the outputs'."""
+
+  def call(state: ParticleState, *args):
+    specs = state_specs(state)
+    local = functools.partial(fn, fsdp.dims_of(specs.params))
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, *in_specs), out_specs=out_specs(specs))(state, *args)
+
+  return call
+
+
+def state_shardings(
+  mesh: jax.sharding.Mesh, state_shape: ParticleState, fsdp_min_bytes: Optional[float] = None
+) -> ParticleState:
+  """A ``NamedSharding`` for every leaf of ``state_shape``; with ``fsdp_min_bytes``, the parameters and the
+  optimizer state of at least that many bytes per particle sharded over ``"data"`` too (``fsdp.leaf_dim``)."""
   specs = state_specs()
+  if fsdp_min_bytes is not None:
+    size = mesh.shape[DATA]
+    specs = specs.replace(
+      params=fsdp.tree_specs(state_shape.params, size, fsdp_min_bytes),
+      opt_state=fsdp.tree_specs(state_shape.opt_state, size, fsdp_min_bytes),
+    )
   return jax.tree.map(
     lambda spec, sub: jax.tree.map(lambda _: NamedSharding(mesh, spec), sub),
     specs,
@@ -152,6 +181,7 @@ def train_state_init(
   shared_pattern: str = "",
   compress: bool = False,
   dynamic_scale=None,
+  fsdp_min_bytes: Optional[float] = None,
 ):
   """The sharded abstract state (for restoring) and a jitted function that initialises it.
 
@@ -167,6 +197,8 @@ def train_state_init(
       (``sharing.split``); they start from particle 0's init.
     compress: allocate error-feedback residuals for the compressed correction.
     dynamic_scale: the initial loss scale for float16 (``optim.create_dynamic_scale``) or None.
+    fsdp_min_bytes: shard each particle's parameters and optimizer state over ``"data"`` (``config.fsdp``),
+      the leaves of at least this many bytes per particle; None: every particle whole on each device of its group.
   Returns:
     ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
     ``NamedSharding`` on ``mesh``, and ``init(start=None) -> ParticleState``; ``start``
@@ -174,7 +206,7 @@ def train_state_init(
   """
   init_all = _init_fn(rng, task, tx, example, num_particles, shared_init, shared_pattern, compress, dynamic_scale)
   shape = jax.eval_shape(init_all)
-  shardings = state_shardings(mesh, shape)
+  shardings = state_shardings(mesh, shape, fsdp_min_bytes)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, shardings)
   return abstract, jax.jit(init_all, out_shardings=shardings)
 
@@ -195,7 +227,14 @@ def train_state_init_from_config(
   """``train_state_init`` with everything the config and the particle spec decide: seed, init,
   shared parameters, compression residuals and float16's loss scale."""
   return train_state_init(
-    jax.random.PRNGKey(config.seed), task, tx, example, spec.num_particles, mesh, **_from_config(config, spec)
+    jax.random.PRNGKey(config.seed),
+    task,
+    tx,
+    example,
+    spec.num_particles,
+    mesh,
+    **_from_config(config, spec),
+    fsdp_min_bytes=config.fsdp_min_size_mb * 2**20 if config.fsdp else None,
   )
 
 

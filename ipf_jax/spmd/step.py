@@ -18,7 +18,6 @@ of a device (``over_particles``); collectives name ``"particle"`` or ``"data"``.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -30,12 +29,12 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax.population import compression, correction
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.population.streams import Stream, stream
-from ipf_jax.spmd import loss_scaling, sharing
+from ipf_jax.spmd import fsdp, loss_scaling, sharing
 from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
 from ipf_jax.spmd.mesh import DATA, PARTICLE
 from ipf_jax.spmd.particles import over_particles, particle_keys, per_particle, slot_keys
 from ipf_jax.spmd.spec import ParticleSpec
-from ipf_jax.spmd.state import ParticleState, state_specs
+from ipf_jax.spmd.state import ParticleState, shard_map_on_state
 from ipf_jax.spmd.task import Task
 
 # Metrics leave the step replicated (per-particle ones gathered to [P]), so any
@@ -64,18 +63,22 @@ class Gradients(NamedTuple):
   score: Optional[jax.Array] = None  # [L] weigh_on=common: the loss on the common examples (None: ``loss``)
 
 
-def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict, key) -> Gradients:
+def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict, key, dims=None) -> Gradients:
   """Each particle's loss over its whole data group (``pmean`` over ``"data"``) and its gradient.
 
   Shared parameters are marked device-varying so that each particle gets its own gradient.
   float16: the state's loss-scaling policy scales the loss, unscales the gradients and takes each
   particle's vote on the next scale (``loss_scaling``).
   No NaN leaves a culled particle: its gradients are replaced by zeros (``where``, not ``*``).
+  ``config.fsdp``: the particle is gathered from its blocks (``dims``) for the forward pass, and each device's
+  gradient is its block of the group's (the gather's transpose, a reduce-scatter).
   """
   scaling = loss_scaling.of(state)
+  sharded = fsdp.is_sharded(dims)
 
   def loss_fn(params, shared, batch_stats, batch, keys):
     model_key, augment_key = keys
+    params = fsdp.gather(params, dims) if sharded else params
     if task.augment is not None:  # mixup: the particle's examples and targets, mixed
       batch = task.augment(batch, augment_key)
     outputs, new_stats = task.apply(
@@ -105,11 +108,15 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
     loss, batch_stats, grads, shared_grads, proposed = accumulate(
       micro_step, spec.grad_accum_steps, state.batch_stats, batch, scaling.merge
     )
-  alive = jnp.isfinite(loss) & _all_finite((grads, shared_grads))
+  if sharded:
+    finite = fsdp.all_finite((grads, shared_grads), (dims, fsdp.replicated(shared_grads)))
+  else:
+    finite = _all_finite((grads, shared_grads))
+  alive = jnp.isfinite(loss) & finite
   score = None
   if spec.weigh_on == "common":
     keys = particle_keys(stream(key, Stream.MODEL), num_local) if task.rngs else None
-    score = common_score(task, spec, state, shared, batch, keys)
+    score = common_score(task, spec, state, shared, batch, keys, dims)
     alive &= jnp.isfinite(score)
   grads, shared_grads = jax.tree.map(lambda g: jnp.where(per_particle(alive, g), g, 0), (grads, shared_grads))
   return Gradients(loss, grads, shared_grads, batch_stats, alive, scaling.vote(proposed, loss, alive), score)
@@ -141,7 +148,7 @@ def accumulate(micro_step: Callable, k: int, batch_stats, batch: dict, merge: Ca
   return loss / k, stats, mean(grads), mean(shared_grads), proposed
 
 
-def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, batch: dict, keys):
+def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, batch: dict, keys, dims=None):
   """``[L]``: each particle's loss (train mode, forward only) on the same examples: the first
   ``common_examples`` of every particle's part of this data shard's batch, gathered over ``"particle"``
   (``P x common_examples`` examples per data shard; ``pmean`` over ``"data"``). Every particle of the
@@ -151,6 +158,7 @@ def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, b
   common = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), mine)  # [P k, ...], the same on every particle
 
   def score_fn(params, shared, batch_stats, key):
+    params = fsdp.gather(params, dims) if fsdp.is_sharded(dims) else params
     outputs, _ = task.apply(
       {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, common, train=True, key=key
     )
@@ -183,14 +191,17 @@ def gather_numbers(numbers: Numbers) -> Numbers:
   return jax.tree.unflatten(tree, [table[:, i] for i in range(len(columns))])
 
 
-def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients) -> tuple[Numbers, jax.Array, jax.Array]:
+def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients, dims=None) -> tuple[Numbers, jax.Array, jax.Array]:
   """``(numbers [P], all_log_w [P], tau)``: ``log w_i <- rho log w_i - tau l_i`` normalised over all ``P``
   particles (replicated; ``islands``: within each island, ``particle_filter.normalize``); a culled particle gets
   ``-inf``. ``tau`` is ``temperature``, or with ``ess_target`` the largest ``tau <= temperature`` that keeps
   the ESS at ``ess_target * P`` (``particle_filter.adaptive_temperature``)."""
   score = g.loss if g.score is None else g.score
   raw = pf.update_log_weights(state.log_weights, score, g.alive, spec.temperature, spec.forgetting)
-  grad_norm = jax.vmap(optax.tree.norm)((g.grads, g.shared_grads))
+  if fsdp.is_sharded(dims):  # the blocks' squares summed over "data"
+    grad_norm = jnp.sqrt(fsdp.squared_norms((g.grads, g.shared_grads), (dims, fsdp.replicated(g.shared_grads))))
+  else:
+    grad_norm = jax.vmap(optax.tree.norm)((g.grads, g.shared_grads))
   numbers = Numbers(raw, g.loss, g.alive.astype(g.loss.dtype), grad_norm, vote=g.vote, score=g.score)
   if g.vote is not None or spec.ess_target:
     numbers = numbers._replace(previous_log_weight=state.log_weights)
@@ -223,12 +234,14 @@ def local_slice(all_values, num_local: int):
 
 
 def correct_and_update(
-  tx: optax.GradientTransformation, spec: ParticleSpec, dp: int, state: ParticleState, g: Gradients, weights
+  tx: optax.GradientTransformation, spec: ParticleSpec, dp: int, state: ParticleState, g: Gradients, weights, dims=None
 ):
   """``d_i = (1 - lambda) g_i + lambda sum_j w_j g_j`` (optionally compressed, with error feedback),
   ``theta_i, mu_i <- opt(d_i, mu_i, theta_i)``, then the optional elastic pull
   ``theta_i <- (1 - alpha) theta_i + alpha sum_j w_j theta_j``. Shared parameters take one update with
   the weighted consensus gradient (lambda = 1 for them).
+
+  ``config.fsdp``: the leaves are blocks (``dims``), each updated on its own (an element-wise optimizer).
 
   Returns ``(particle, shared_params, shared_opt_state)`` with ``particle = (params, batch_stats,
   opt_state, residual)``: everything that moves with a particle in resampling.
@@ -239,7 +252,8 @@ def correct_and_update(
     directions = correction.mix(g.grads, consensus, spec.correction)
   else:
     directions = correction.correct(g.grads, weights, spec.correction, PARTICLE)
-  updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
+  with fsdp.updating(dims):  # config.fsdp: the optimizer's clipping norms the whole particle, not a block
+    updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   params = correction.correct(params, weights, spec.elastic_pull, PARTICLE)
   shared_updates, shared_opt_state = tx.update(
@@ -295,7 +309,7 @@ def commit(state: ParticleState, ok, particle, log_w, shared_params, shared_opt_
 
 
 def resample_phase(
-  spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma, exchange: pf.Exchange
+  spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma, exchange: pf.Exchange, dims=None
 ):
   """Phase 5: ``(state, src [P])``; where ``decide`` (replicated), the committed population resampled
   (``particle_filter.resample``: survivors in place, weights uniform, particles moved by ``exchange``), else
@@ -303,7 +317,9 @@ def resample_phase(
   identity = jnp.arange(spec.num_particles, dtype=jnp.int32)
 
   def resample(particle, log_w):
-    return pf.resample(key, particle, log_w, all_log_w, dp, sigma, exchange=exchange, islands=spec.islands)
+    return pf.resample(
+      key, particle, log_w, all_log_w, dp, sigma, exchange=exchange, islands=spec.islands, blocks=fsdp.blocks(dims)
+    )
 
   particle = (state.params, state.batch_stats, state.opt_state, state.residual)
   (params, batch_stats, opt_state, residual), log_w, src = lax.cond(
@@ -369,16 +385,19 @@ class StepParts(NamedTuple):
   dp: int
   lr_fn: Optional[optax.Schedule]
   exchange: pf.Exchange
+  dims: Any = None  # fsdp.dims_of the parameters (config.fsdp: which are blocks over "data"), set when traced
 
 
 def local_step(c: StepParts, state: ParticleState, batch):
   """One device's part of the train step, phase by phase (the module docstring's 1-5)."""
   spec, scaling = c.spec, loss_scaling.of(state)
   step_key = jax.random.fold_in(state.rng, state.step)
-  g = gradients(c.task, spec, state, batch, step_key)  # 1
-  numbers, all_log_w, temperature = reweigh(spec, state, g)  # 2
+  g = gradients(c.task, spec, state, batch, step_key, c.dims)  # 1
+  numbers, all_log_w, temperature = reweigh(spec, state, g, c.dims)  # 2
   log_w = local_slice(all_log_w, state.log_weights.shape[0])
-  particle, shared_params, shared_opt_state = correct_and_update(c.tx, spec, c.dp, state, g, jnp.exp(log_w))  # 3
+  particle, shared_params, shared_opt_state = correct_and_update(
+    c.tx, spec, c.dp, state, g, jnp.exp(log_w), c.dims
+  )  # 3
   ess = pf.ess(all_log_w, spec.islands)
   num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
   # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
@@ -390,7 +409,7 @@ def local_step(c: StepParts, state: ParticleState, batch):
   if spec.resampling:
     resampled = resample_decision(spec, state.step, ess, num_alive) & ok
     sigma = jitter_sigma(spec, c.lr_fn, state.step)
-    new_state, src = resample_phase(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange)
+    new_state, src = resample_phase(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange, c.dims)
   new_state = scaling.count(state, count(state, new_state, ok, overflow, resampled), scale, overflow)
   outcome = Outcome(numbers, all_log_w, ess, num_alive, resampled, src, temperature, overflow)
   return new_state, step_metrics(spec, scaling, outcome, None if c.lr_fn is None else c.lr_fn(updates_done(state)))
@@ -415,11 +434,9 @@ def make_train_step(
   where ``spec.resampling`` is off: ensemble, DDP).
   """
   parts = StepParts(task, tx, spec, mesh.shape[PARTICLE], lr_fn, exchange or pf.exchange_fn(spec.resample_exchange))
-  specs = state_specs()
-  sharded = jax.shard_map(
-    functools.partial(local_step, parts),
-    mesh=mesh,
-    in_specs=(specs, TRAIN_BATCH_SPEC),
-    out_specs=(specs, TRAIN_METRIC_SPECS),
-  )
+
+  def local(dims, state, batch):
+    return local_step(parts._replace(dims=dims), state, batch)
+
+  sharded = shard_map_on_state(local, mesh, (TRAIN_BATCH_SPEC,), lambda specs: (specs, TRAIN_METRIC_SPECS))
   return jax.jit(sharded, donate_argnums=0)

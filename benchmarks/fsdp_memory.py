@@ -1,0 +1,171 @@
+"""config.fsdp at pod scale, compile only on fake CPU devices: per-device state, peak memory and collective bytes.
+
+  python -m benchmarks.fsdp_memory                                   # ViT-B/16, ViT-L/16, ResNet-50; Dd 1-8
+  python -m benchmarks.fsdp_memory --models vit_b16 --dds 1,4 --optimizers adamw   # one row pair
+  python -m benchmarks.fsdp_memory --time                             # step time, fsdp / whole (CPU)
+
+P = 8 particles, one per group (Dp = 8, L = 1), each group ``Dd`` devices (8 x Dd fake devices, up to 64), so
+a particle is replicated over its group (``fsdp`` off) or sharded over it (on, ``fsdp_min_size_mb`` default).
+For each (model, optimizer, Dd, fsdp): the bytes of the particles' parameters and optimizer state on one device
+(exact, from the state's shardings: nothing is allocated), and with ``--compile`` (default on) the train step
+compiled for ``--per_device_batch`` images of ``--image_size``² per device: XLA's per-device peak
+(``memory_analysis``), the compile time, and the bytes each device sends per collective kind in the compiled
+HLO (``benchmarks.compression.collective_bytes``): ``all-gather`` and ``reduce-scatter`` are fsdp's own
+(the forward's gather, the gradient's scatter); ``all-reduce`` holds the correction's consensus gradient
+(and SyncBN's and the loss's small ones); ``collective-permute`` is the exchange's rounds, all of them as
+compiled (a resampling runs only the rounds it needs). Each Dd runs in its own process (the fake device
+count is fixed when JAX starts). ``--time``: the step's wall time, whole against fsdp, on 8 fake devices (the
+digits CNN; a ratio inside one process). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+OPTIMIZERS = {"adamw": dict(optimizer="adamw", base_lr=1e-3, weight_decay=0.05), "sgd": dict(optimizer="sgd")}
+
+
+def state_bytes(abstract) -> int:
+  """Bytes of the particles' parameters and optimizer state on one device (the shardings' block shapes)."""
+  import jax
+  import numpy as np
+
+  return sum(
+    int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    for x in jax.tree.leaves((abstract.params, abstract.opt_state))
+  )
+
+
+def child(model: str, optimizer: str, dd: int, args) -> list[dict]:
+  """Both layouts of one (model, optimizer) on ``8 x dd`` fake devices (this process was started with them)."""
+  from benchmarks.common import Bench, memory_mib
+  from benchmarks.compression import collective_bytes
+  from ipf_jax.config import defaults
+
+  rows = []
+  for fsdp in (False, True):
+    if fsdp and dd == 1:  # one device per group: the rule shards nothing, the same program
+      rows.append(dict(rows[0], fsdp=True))
+      continue
+    config = defaults.get_config()
+    config.update(model=model, num_cpu_devices=0, num_particles=8, particle_axis_size=8, fsdp=fsdp)
+    config.update(global_batch_size=8 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS[optimizer])
+    if args.min_size_mb is not None:
+      config.fsdp_min_size_mb = args.min_size_mb
+    config.small_inputs = args.image_size <= 64 and model.startswith("resnet")
+    row = {"model": model, "optimizer": optimizer, "dd": dd, "fsdp": fsdp}
+    t = time.perf_counter()
+    bench = Bench(config, (args.image_size, args.image_size, 3), 1000)
+    row["state_mib"] = state_bytes(bench.abstract) / 2**20
+    if args.compile:
+      compiled = bench.compiled()
+      row["compile_s"] = time.perf_counter() - t
+      row["peak_mib"] = memory_mib(compiled)["peak"]
+      row["collective_bytes"] = collective_bytes(compiled.as_text())
+    rows.append(row)
+  return rows
+
+
+def timing(args) -> dict:
+  """Seconds per step, whole particles and fsdp (every leaf the axis divides sharded), on this host's 8 fake
+  devices as a ``(2, 4)`` mesh: the digits CNN, 8 particles, 16 examples each; measured in alternating rounds."""
+  from benchmarks.common import Timed, config_for, measure
+
+  variants = {}
+  for fsdp in (False, True):
+    config = config_for(
+      args, num_particles=8, particle_axis_size=2, fsdp=fsdp, fsdp_min_size_mb=0.0, **OPTIMIZERS["adamw"]
+    )
+    variants["fsdp" if fsdp else "whole"] = Timed(config, args)
+  seconds = measure(variants, args.repeats, args.rounds)
+  return {"seconds": seconds, "fsdp / whole": seconds["fsdp"] / seconds["whole"]}
+
+
+def run_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={8 * dd}")
+  argv = [sys.executable, "-m", "benchmarks.fsdp_memory", "--child", model, optimizer, str(dd)]
+  argv += [f"--image_size={args.image_size}", f"--per_device_batch={args.per_device_batch}", f"--dtype={args.dtype}"]
+  argv += [] if args.min_size_mb is None else [f"--min_size_mb={args.min_size_mb}"]
+  r = subprocess.run(argv + ([] if args.compile else ["--no-compile"]), env=env, capture_output=True, text=True)
+  if r.returncode:
+    raise RuntimeError(r.stderr[-3000:])
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def print_table(rows: list[dict]) -> None:
+  """One line per (model, optimizer, Dd): both layouts side by side, and fsdp's ratios to Dd = 1."""
+  print(
+    "\n| model | optimizer | Dd | state MiB/device, whole / fsdp | fsdp ÷ Dd=1 | peak MiB, whole / fsdp | "
+    "all-gather + reduce-scatter MiB | all-reduce + collective-permute MiB, whole / fsdp | fsdp ÷ Dd=1 | "
+    "compile s, whole / fsdp |"
+  )
+  print("|" + "---|" * 10)
+  mib = lambda b: b / 2**20
+  key = lambda r: (r["model"], r["optimizer"], r["dd"])
+  by = {(key(r), r["fsdp"]): r for r in rows}
+  population = lambda r: sum(r["collective_bytes"].get(k, 0.0) for k in ("all-reduce", "collective-permute"))
+  for k in sorted({key(r) for r in rows}, key=lambda k: (k[0], k[1], k[2])):
+    whole, sharded, one = by[k, False], by[k, True], by.get(((k[0], k[1], 1), True))
+    state_ratio = f"{sharded['state_mib'] / one['state_mib']:.3f}" if one else ""
+    line = f"| {k[0]} | {k[1]} | {k[2]} | {whole['state_mib']:.0f} / {sharded['state_mib']:.0f} | {state_ratio} | "
+    if "peak_mib" in whole:
+      own = sum(sharded["collective_bytes"].get(c, 0.0) for c in ("all-gather", "reduce-scatter"))
+      ratio = f"{population(sharded) / population(one):.3f}" if one and population(one) else ""
+      line += (
+        f"{whole['peak_mib']:.0f} / {sharded['peak_mib']:.0f} | {mib(own):.0f} | "
+        f"{mib(population(whole)):.0f} / {mib(population(sharded)):.0f} | {ratio} | "
+        f"{whole['compile_s']:.0f} / {sharded['compile_s']:.0f} |"
+      )
+    else:
+      line += "| | | | |"
+    print(line)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", default="vit_b16,vit_l16,resnet50")
+  parser.add_argument("--optimizers", default="adamw,sgd")
+  parser.add_argument("--dds", default="1,2,4,8")
+  parser.add_argument("--image_size", type=int, default=224)
+  parser.add_argument("--per_device_batch", type=int, default=8)
+  parser.add_argument("--dtype", default="float32")
+  parser.add_argument("--min_size_mb", type=float, default=None, help="fsdp_min_size_mb (default: the config's)")
+  parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+  parser.add_argument("--time", action="store_true", help="the step time instead (the digits CNN, 8 CPU devices)")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.time:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    from benchmarks.common import print_summary
+
+    args.model, args.per_particle_batch = "cnn", 16
+    result = timing(args)
+    print(f"seconds per step: whole {result['seconds']['whole']:.4f}, fsdp {result['seconds']['fsdp']:.4f}")
+    print_summary({"benchmark": "fsdp_time", **result})
+    return
+  if args.child:
+    model, optimizer, dd = args.child
+    print(json.dumps(child(model, optimizer, int(dd), args)))
+    return
+  from benchmarks.common import print_summary
+
+  rows = []
+  for model in args.models.split(","):
+    for optimizer in args.optimizers.split(","):
+      for dd in [int(x) for x in args.dds.split(",")]:
+        got = run_child(model, optimizer, dd, args)
+        rows += got
+        print(f"{model} {optimizer} Dd={dd}: " + ", ".join(json.dumps(r) for r in got), flush=True)
+  print_table(rows)
+  print_summary({"benchmark": "fsdp_memory", "rows": rows})
+
+
+if __name__ == "__main__":
+  main()

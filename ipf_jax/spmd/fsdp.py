@@ -1,0 +1,190 @@
+"""FSDP: each particle's parameters and optimizer state sharded over its group's ``"data"`` devices (DESIGN.md §2).
+
+Which leaves are sharded is big_vision's rule (``sharding.py``, ``fsdp(axis, min_size_to_shard_mb)``; its
+default 4 MiB is 1 here, ``config.fsdp_min_size_mb``): a leaf of at least ``min_bytes`` per particle is split
+over ``"data"`` along its largest dimension that the axis size divides (the last of equal ones); smaller leaves,
+and leaves no dimension of which divides, stay whole on every device of the group. The rule reads shapes only,
+so Adam's moments and SGD's momentum are sharded as their parameters are, and the layout is a property of the
+state's arrays: every jitted function reads it from their types (``specs_of``), and a checkpoint restores onto
+any layout (the global arrays are the same).
+
+Inside ``shard_map`` a sharded leaf is a device's block. The forward pass gathers the particle
+(``gather``: ``all_gather`` over ``"data"``, whose transpose is a reduce-scatter, so each device's gradient
+arrives as its block of the mean over the group), and whatever sums over a particle's weights (norms,
+finiteness, jitter) reads ``dims``: ``-1`` for a replicated leaf, else the sharded dimension of the ``[P, ...]``
+leaf. Element-wise work (the optimizer's update, the correction's and fusion's ``psum`` over ``"particle"``,
+the exchange's ``ppermute``) runs on blocks as it is and moves ``1 / Dd`` of the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ipf_jax.spmd.mesh import DATA, PARTICLE
+
+REPLICATED = -1  # ``dims`` entry of a leaf that every device of the group holds whole
+
+
+def leaf_dim(shape: tuple[int, ...], itemsize: int, size: int, min_bytes: float) -> int:
+  """The dimension of a ``[P, ...]`` leaf to shard over ``size`` devices, or ``REPLICATED``."""
+  if size <= 1 or len(shape) < 2 or math.prod(shape[1:]) * itemsize < min_bytes:
+    return REPLICATED
+  for d in sorted(range(1, len(shape)), key=lambda d: (-shape[d], -d)):
+    if shape[d] % size == 0:
+      return d
+  return REPLICATED
+
+
+def spec(dim: int) -> P:
+  """The ``PartitionSpec`` of a per-particle leaf sharded along ``dim`` (``REPLICATED``: ``P("particle")``)."""
+  return P(PARTICLE) if dim == REPLICATED else P(PARTICLE, *([None] * (dim - 1)), DATA)
+
+
+def tree_specs(tree, size: int, min_bytes: float):
+  """``PartitionSpec``s for the ``[P, ...]`` leaves of ``tree`` (arrays or ``ShapeDtypeStruct``s)."""
+  return jax.tree.map(lambda x: spec(leaf_dim(tuple(x.shape), np.dtype(x.dtype).itemsize, size, min_bytes)), tree)
+
+
+def data_dim(partition: Any) -> int:
+  """The dimension a ``PartitionSpec`` shards over ``"data"``, or ``REPLICATED``."""
+  for d, entry in enumerate(tuple(partition)):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if DATA in names:
+      return d
+  return REPLICATED
+
+
+def specs_of(tree):
+  """The per-particle ``PartitionSpec``s that ``tree``'s arrays carry (inside ``jit``: their types): a leaf
+  sharded over ``"data"`` keeps its spec, any other is ``P("particle")``."""
+
+  def one(x):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    partition = getattr(sharding, "spec", None)
+    return spec(REPLICATED if partition is None else data_dim(partition))
+
+  return jax.tree.map(one, tree)
+
+
+def dims_of(specs):
+  """``dims`` (an int per leaf) from a tree of ``PartitionSpec``s."""
+  return jax.tree.map(data_dim, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def is_sharded(dims) -> bool:
+  """Whether any leaf is a block (``dims`` None: none is)."""
+  return any(d != REPLICATED for d in jax.tree.leaves(dims))
+
+
+def replicated(tree):
+  """``dims`` for a tree whose leaves are all whole (shared parameters)."""
+  return jax.tree.map(lambda _: REPLICATED, tree)
+
+
+def blocks(dims) -> Optional[tuple]:
+  """What ``particle_filter.resample`` needs to cut a copy's jitter into blocks: ``(dims in leaf order,
+  "data")``, or None when no leaf is a block."""
+  return (tuple(jax.tree.leaves(dims)), DATA) if is_sharded(dims) else None
+
+
+def shardings(mesh: jax.sharding.Mesh, specs):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def summary(abstract_state) -> str:
+  """One line on what ``config.fsdp`` sharded (from an abstract state's shardings): leaves, the share of the
+  bytes, and the parameters and optimizer state per device against whole particles."""
+  leaves = jax.tree.leaves((abstract_state.params, abstract_state.opt_state))
+  dims = [data_dim(x.sharding.spec) for x in leaves]
+  size = leaves[0].sharding.mesh.shape[DATA] if leaves else 1
+  nbytes = lambda x: x.size * x.dtype.itemsize
+  here = [math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves]
+  whole = sum(b * (size if d != REPLICATED else 1) for b, d in zip(here, dims))
+  share = sum(nbytes(x) for x, d in zip(leaves, dims) if d != REPLICATED) / max(sum(map(nbytes, leaves)), 1)
+  mib = lambda b: f"{b / 2**20:.1f} MiB"
+  return (
+    f"fsdp: {sum(d != REPLICATED for d in dims)} of {len(leaves)} parameter and optimizer-state leaves "
+    f"({100 * share:.0f}% of the bytes) sharded over the {size} devices of each group: {mib(sum(here))} per "
+    f"device, {mib(whole)} with whole particles"
+  )
+
+
+# ---- inside shard_map ------------------------------------------------------------------------------------------
+
+
+def gather(tree, dims, invariant: bool = False):
+  """One particle's whole leaves from its blocks (per-particle code: the ``[P]`` axis is gone, so a leaf's
+  sharded dimension is ``dims - 1``). The transpose of this gather is a reduce-scatter over ``"data"``.
+  ``invariant``: the result typed the same on every device of the group (forward-only uses whose output
+  leaves ``shard_map`` replicated: fusion, evaluation)."""
+  to = "invarying" if invariant else "varying"
+
+  def one(x, d):
+    return x if d == REPLICATED else lax.all_gather(x, DATA, axis=d - 1, tiled=True, to=to)
+
+  return jax.tree.map(one, tree, dims)
+
+
+def gather_blocks(tree, dims, invariant: bool = True):
+  """``gather`` for ``[L, ...]`` (or ``[...]`` without a particle axis, ``dims`` of the ``[P, ...]`` leaves)
+  blocks outside per-particle code: the sharded dimension is ``dims`` itself."""
+  return gather(tree, jax.tree.map(lambda d: d if d == REPLICATED else d + 1, dims), invariant)
+
+
+def sum_over_blocks(values, dims):
+  """``sum`` of per-leaf partial results (``[L]`` or scalars, a list in ``tree`` leaf order): a sharded leaf's
+  result is the ``psum`` over ``"data"`` of its blocks'."""
+  dims = jax.tree.leaves(dims)
+  local = [v for v, d in zip(values, dims) if d == REPLICATED]
+  spread = [v for v, d in zip(values, dims) if d != REPLICATED]
+  total = sum(local) if local else 0.0
+  return total + lax.psum(sum(spread), DATA) if spread else total
+
+
+def squared_norms(tree, dims):
+  """``[L]``: each local particle's ``||x||^2`` over its whole leaves (blocks summed over ``"data"``)."""
+  values = [jnp.sum(jnp.square(x).reshape(x.shape[0], -1), axis=1) for x in jax.tree.leaves(tree)]
+  return sum_over_blocks(values, dims)
+
+
+def all_finite(tree, dims):
+  """``[L]`` bool: every entry of each local particle's whole leaves is finite."""
+  values = [(~jnp.isfinite(x)).reshape(x.shape[0], -1).any(axis=1).astype(jnp.int32) for x in jax.tree.leaves(tree)]
+  return sum_over_blocks(values, dims) == 0
+
+
+# ---- the optimizer's global norm --------------------------------------------------------------------------------
+
+_UPDATE_DIMS: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("ipf_jax_fsdp_update_dims", default=None)
+
+
+@contextlib.contextmanager
+def updating(dims):
+  """While the step traces one particle's optimizer update: the ``dims`` of the tree it updates, so that
+  ``global_norm`` (the optimizer's clipping) sums blocks over ``"data"``."""
+  token = _UPDATE_DIMS.set(dims if is_sharded(dims) else None)
+  try:
+    yield
+  finally:
+    _UPDATE_DIMS.reset(token)
+
+
+def global_norm(tree):
+  """``optax.tree.norm`` of one particle's tree, over its whole leaves when the step is updating a sharded
+  particle (``updating``)."""
+  dims = _UPDATE_DIMS.get()
+  leaves = jax.tree.leaves(tree)
+  if dims is None or len(jax.tree.leaves(dims)) != len(leaves):
+    return optax.tree.norm(tree)
+  return jnp.sqrt(sum_over_blocks([jnp.sum(jnp.square(x)) for x in leaves], dims))

@@ -1,0 +1,215 @@
+"""config.fsdp: each particle's parameters and optimizer state sharded over its group's "data" devices.
+
+The step against the plain reference (tests/reference.py: whole particles, one at a time) on meshes (2, 4),
+(4, 2) and (1, 8) with L = 1 and 2, BatchNorm, resampling with jitter, the correction and clipping; a model
+without BatchNorm (a ViT with dropout) against the replicated step; fusion and evaluation; checkpoints restored
+across layouts; the per-device bytes of ViT-B/16's state; the errors.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ipf_jax
+from ipf_jax.config import validation
+from ipf_jax.models import vit
+from ipf_jax.runtime import checkpoint as checkpoint_lib
+from ipf_jax.spmd import fsdp
+from ipf_jax.spmd import state as state_lib
+from ipf_jax.spmd.mesh import DATA
+from tests import helpers
+from tests.test_step import assert_same_run, run_both
+
+
+def sharded_leaves(tree):
+  """``(sharded, whole)`` leaf counts of a tree of global arrays."""
+  dims = [fsdp.data_dim(x.sharding.spec) for x in jax.tree.leaves(tree)]
+  return sum(d >= 0 for d in dims), sum(d < 0 for d in dims)
+
+
+@pytest.mark.parametrize(
+  "shape,size,min_bytes,expected",
+  [
+    ((8, 3, 3, 16, 32), 4, 0, 4),  # the largest dimension
+    ((8, 16, 16), 4, 0, 2),  # of equal ones, the last
+    ((8, 12, 10), 4, 0, 1),  # the largest that the axis divides
+    ((8, 10, 6), 4, 0, -1),  # none divides: whole
+    ((8,), 4, 0, -1),  # one number per particle: whole
+    ((8, 64, 64), 4, 64 * 64 * 4 + 1, -1),  # under the threshold (bytes per particle): whole
+    ((8, 64, 64), 1, 0, -1),  # one device per group: nothing to shard
+  ],
+)
+def test_the_rule_is_big_vision_s(shape, size, min_bytes, expected):
+  assert fsdp.leaf_dim(shape, 4, size, min_bytes) == expected
+
+
+FSDP_CASES = [  # (Dp, Dd, P, optimizer, grad_clip_norm): each mesh, L = 1 and 2, SGD and AdamW, clipping
+  (2, 4, 2, "sgd", 0.0),
+  (2, 4, 4, "adamw", 0.3),
+  (4, 2, 4, "sgd", 0.3),
+  (1, 8, 2, "adamw", 0.0),
+]
+
+
+@pytest.mark.parametrize("dp,dd,p,optimizer,clip", FSDP_CASES)
+def test_fsdp_step_matches_reference(dp, dd, p, optimizer, clip):
+  """Resampling on most steps with jitter on the copies, the correction, BatchNorm (SyncBN over the
+  group), every leaf that the axis divides sharded (``fsdp_min_size_mb=0``): the same run as the plain loop."""
+  config = helpers.tiny_config(
+    num_particles=p,
+    temperature=4.0,
+    forgetting=0.8,
+    correction=0.5,
+    ess_threshold=0.9,
+    jitter=1e-3,
+    optimizer=optimizer,
+    base_lr=0.5 if optimizer == "sgd" else 0.01,
+    grad_clip_norm=clip,
+    fsdp=True,
+    fsdp_min_size_mb=0.0,
+  )
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  sharded, whole = sharded_leaves(s.state.params)
+  assert sharded >= 2 and (whole >= 1 or dd == 2), (sharded, whole)  # Dd = 2 divides every leaf of the CNN
+  assert sharded_leaves(s.state.opt_state)[0] >= sharded  # the optimizer's state is sharded as its parameters
+  if p > 1:
+    assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
+  assert_same_run(s, ref, spmd, refr, atol=4e-5)
+
+
+def small_vit_task():
+  model = vit.ViT(num_classes=10, patch_size=4, width=16, depth=1, mlp_dim=32, num_heads=2, dropout=0.1)
+  return ipf_jax.classification(model, rngs=("dropout",))
+
+
+def test_fsdp_vit_without_batchnorm_matches_the_replicated_step():
+  """No BatchNorm: a one-block ViT with dropout, AdamW and clipping, 4 particles on (2, 4), resampling with
+  jitter every other step: three steps of the fsdp step and of the replicated one from the same state give
+  the same particles, weights and ancestors."""
+  runs = {}
+  for on in (False, True):
+    config = helpers.tiny_config(
+      num_particles=4,
+      temperature=4.0,
+      ess_threshold=0.0,
+      resample_every=2,
+      jitter=1e-3,
+      optimizer="adamw",
+      base_lr=3e-3,
+      grad_clip_norm=0.5,
+      fsdp=on,
+      fsdp_min_size_mb=0.0,
+    )
+    s = helpers.Setup(config, 2, 4, task=small_vit_task())
+    if on:
+      s.state = jax.device_put(runs[False][1], jax.tree.map(lambda x: x.sharding, s.state))
+      assert sharded_leaves(s.state.params)[0] >= 6
+    init = s.host_state()
+    records = []
+    for images, labels in helpers.particle_batches(4, 3):
+      s.state, m = s.train_step(s.state, s.put(images, labels))
+      records.append(jax.device_get(m))
+    runs[on] = (s, init, records)
+  (_, _, plain), (fs, _, sharded) = runs[False], runs[True]
+  assert any(bool(m["resampled"]) for m in plain), "the test must exercise resampling"
+  for m, r in zip(sharded, plain):
+    np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m["grad_norm"], r["grad_norm"], rtol=1e-5)
+    np.testing.assert_array_equal(m["ancestors"], r["ancestors"])
+  helpers.assert_close(fs.host_state().params, runs[False][0].host_state().params)
+  helpers.assert_close(fs.host_state().opt_state, runs[False][0].host_state().opt_state)
+
+
+def test_fsdp_fusion_and_evaluation_equal_the_replicated_ones():
+  """From one state: the fused model (gathered from its blocks), the particles' distances and every evaluation
+  sum are those of the whole particles."""
+  out = {}
+  for on in (False, True):
+    config = helpers.tiny_config(num_particles=4, fsdp=on, fsdp_min_size_mb=0.0, init="shared", jitter=0.0)
+    s = helpers.Setup(config, 2, 4)
+    if on:
+      s.state = jax.device_put(out[False]["init"], jax.tree.map(lambda x: x.sharding, s.state))
+    init = s.host_state()
+    images, labels = helpers.particle_batches(4, 1)[0]
+    s.state, _ = s.train_step(s.state, s.put(images, labels))
+    variables, distances = s.parts.fuse(s.state)
+    batch = s.put(images, labels)
+    out[on] = {
+      "init": init,
+      "fused": jax.device_get(variables),
+      "distances": np.asarray(distances),
+      "diversity": np.asarray(s.parts.diversity(s.state)),
+      "bn": jax.device_get(s.parts.fused_bn_fn(s.state, batch)),
+      "eval": jax.device_get(s.evaluate(s.state, helpers.digits_data())),
+    }
+  close = lambda a, b: helpers.assert_close(a, b, rtol=1e-5, atol=1e-6)
+  for key in ("fused", "distances", "diversity", "bn"):
+    close(out[True][key], out[False][key])
+  close(
+    jax.tree.map(np.asarray, out[True]["eval"]["ensemble"]), jax.tree.map(np.asarray, out[False]["eval"]["ensemble"])
+  )
+  close(jax.tree.map(np.asarray, out[True]["eval"]["fused"]), jax.tree.map(np.asarray, out[False]["eval"]["fused"]))
+
+
+@pytest.mark.parametrize("target_fsdp,dp,dd", [(False, 4, 2), (True, 1, 8)])
+def test_a_checkpoint_restores_across_layouts(tmp_path, target_fsdp, dp, dd):
+  """Saved sharded on (2, 4), restored whole on (4, 2) or sharded on (1, 8): the same global arrays, and
+  training goes on."""
+  config = helpers.tiny_config(num_particles=8, fsdp=True, fsdp_min_size_mb=0.0)
+  saved, images, labels = helpers.saved_after_one_step(config, 2, 4, tmp_path)
+
+  target = helpers.tiny_config(num_particles=8, fsdp=target_fsdp, fsdp_min_size_mb=0.0)
+  dst = helpers.Setup(target, dp, dd)
+  restored, _ = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(dst.abstract, target)
+  assert (sharded_leaves(restored.params)[0] > 0) == target_fsdp
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
+  dst.state, m = dst.train_step(restored, dst.put(images, labels))
+  assert int(m["num_alive"]) == 8 and int(dst.state.step) == 2
+
+
+def per_device_bytes(abstract) -> int:
+  """Bytes of the particles' parameters and optimizer state on one device, from the abstract state's shardings."""
+  return sum(
+    int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    for x in jax.tree.leaves((abstract.params, abstract.opt_state))
+  )
+
+
+def test_vit_b16_state_per_device_at_dd_8_is_an_eighth():
+  """ViT-B/16 with AdamW, 8 particles (abstract: nothing is allocated): the per-device parameters and
+  optimizer state at Dd = 8 are at most 0.15 of those at Dd = 1 (the issue's target; ideal 0.125), with the
+  default ``fsdp_min_size_mb``."""
+  config = helpers.tiny_config(num_particles=8, model="vit_b16", optimizer="adamw", base_lr=1e-3, fsdp=True)
+  task = ipf_jax.classification(vit.create("vit_b16", 1000))
+  example = {
+    "image": jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32),
+    "label": jax.ShapeDtypeStruct((1,), jnp.int32),
+  }
+  tx = ipf_jax.spmd.optim.create_optimizer(config, lambda step: 1e-3)
+  sizes = {}
+  for dd in (1, 8):
+    mesh = ipf_jax.spmd.mesh.make_mesh(8, jax.devices()[:dd], 1)
+    assert mesh.shape[DATA] == dd
+    abstract, _ = state_lib.train_state_init(
+      jax.random.PRNGKey(0), task, tx, example, 8, mesh, fsdp_min_bytes=config.fsdp_min_size_mb * 2**20
+    )
+    sizes[dd] = per_device_bytes(abstract)
+  assert sizes[1] > 8 * 86e6 * 4 * 3 * 0.99  # 8 particles x (params + Adam's two moments), float32
+  assert sizes[8] / sizes[1] <= 0.15, sizes[8] / sizes[1]
+
+
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
+    (dict(optimizer="lamb"), r"config.fsdp: .*optimizer='lamb' needs whole leaves"),
+    (dict(optimizer="adafactor"), r"config.fsdp: .*adafactor: factored moments"),
+    (dict(dtype="float16"), r"config.fsdp: with dtype='float16' is not supported"),
+    (dict(compress_correction=True), r"config.fsdp: with compress_correction=True"),
+    (dict(fsdp_min_size_mb=-1.0), r"config.fsdp_min_size_mb: must be >= 0"),
+  ],
+)
+def test_fsdp_errors_name_the_field(overrides, match):
+  config = helpers.tiny_config(fsdp=True, **overrides)
+  with pytest.raises(validation.ConfigError, match=match):
+    validation.validate(config, jax.device_count())
