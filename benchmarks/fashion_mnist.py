@@ -105,7 +105,8 @@ def run_steps(args) -> int:
   return args.steps or round(args.epochs * steps_per_epoch(args.batch))
 
 
-def run_one(args, method: str, seed: int, workdir: str) -> dict:
+def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None = None) -> dict:
+  """One (method, seed) run as ``configs/fashion_mnist.py`` with ``METHODS[method]`` (or ``overrides``)."""
   config = fashion_mnist.get_config()
   config.data_dir, config.seed = args.data_dir, seed
   config.global_batch_size, config.num_epochs = args.batch, float(args.epochs)
@@ -115,7 +116,7 @@ def run_one(args, method: str, seed: int, workdir: str) -> dict:
     config.cnn_features = tuple(int(f) for f in args.cnn_features.split(","))
   if args.steps:
     config.num_epochs, config.num_train_steps = 0.0, args.steps
-  for k, v in METHODS[method].items():
+  for k, v in (METHODS[method] if overrides is None else overrides).items():
     config[k] = v
   steps = run_steps(args)
   if args.eval_every_epochs:
@@ -150,6 +151,8 @@ def run_one(args, method: str, seed: int, workdir: str) -> dict:
     "ood_digits": float(r["ood_sets"]["digits"]["ensemble"]["auroc_max_prob"]),
     "ood_photos": float(r["ood_sets"]["photos"]["ensemble"]["auroc_max_prob"]),
     "disagreement": float(r.get("diversity", {}).get("disagreement", 0.0)),
+    "particles_acc": [float(a) for a in np.atleast_1d(r["particles"]["accuracy"])],
+    "particles_nll": [float(a) for a in np.atleast_1d(r["particles"]["nll"])],
     "resample_rate": float(resamples[-1]) / steps,
     "loss_std": float(np.std(tail)),
     "curve": [[int(s), float(a)] for s, a in zip(curve_steps, curve) if int(s) < steps]
@@ -211,6 +214,25 @@ def picture(rows: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+def start_study(parser: argparse.ArgumentParser, args, methods: dict) -> list[str]:
+  """The ``--methods`` asked for (a parser error naming the unknown ones); the library's logging off and the
+  compilation cache on."""
+  joined = [m.strip() for m in args.methods.split(",") if m.strip()]
+  unknown = [m for m in joined if m not in methods]
+  if unknown:
+    parser.error(f"unknown method(s) {unknown}; use some of: {', '.join(methods)}")
+  logging.getLogger("ipf_jax").disabled = True
+  jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
+  return joined
+
+
+def previous_rows(args) -> list[dict]:
+  """``--out``'s rows when ``--resume`` (the runs already measured), else none."""
+  if not (args.resume and args.out and os.path.exists(args.out)):
+    return []
+  return [json.loads(line) for line in open(args.out) if line.strip()]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--data_dir", default=os.path.expanduser("~/tensorflow_datasets"))
@@ -231,16 +253,12 @@ def main():
   parser.add_argument("--resume", action="store_true", help="skip the (method, seed) rows --out already has")
   parser.add_argument("--picture", default="", help="write the accuracy-vs-epoch picture here (PNG)")
   args = parser.parse_args()
-  joined = [m.strip() for m in args.methods.split(",") if m.strip()]
-  unknown = [m for m in joined if m not in METHODS]
-  if unknown:
-    parser.error(f"unknown method(s) {unknown}; use some of: {', '.join(METHODS)}")
-  logging.getLogger("ipf_jax").disabled = True
-  jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "ipf_jax_jit_cache"))
-  rows = []
-  if args.resume and args.out and os.path.exists(args.out):  # the rows of this set-up already measured
-    rows = [json.loads(line) for line in open(args.out) if line.strip()]
-    rows = [r for r in rows if (r["batch"], r["epochs"], r["steps"]) == (args.batch, args.epochs, run_steps(args))]
+  joined = start_study(parser, args, METHODS)
+  rows = [
+    r
+    for r in previous_rows(args)
+    if (r["batch"], r["epochs"], r["steps"]) == (args.batch, args.epochs, run_steps(args))
+  ]
   done = {(r["method"], r["seed"]) for r in rows}
   with tempfile.TemporaryDirectory() as tmp:
     for method in joined:

@@ -1,0 +1,143 @@
+"""Fine-tuning from one checkpoint, model-soup style, on Fashion-MNIST (issue: ViTs, optimizers, fine-tuning, 5b).
+
+  python -m benchmarks.fashion_mnist_finetune --data_dir DIR [--pre_epochs 3] [--epochs 2] [--lr_factor 0.1]
+         [--out rows.jsonl] [--resume]
+
+One model is pre-trained with DDP (``configs/fashion_mnist.py``, ``--pre_epochs`` at batch 128, seed 0);
+then, at equal compute (the same 8 devices, global batch and steps: ``--epochs`` at batch 128, the
+learning rate ``--lr_factor`` times the config's, no warmup), every method starts from its exported fused
+model (``config.init_from``):
+
+- one fine-tune: DDP, one model on all 128 examples a step;
+- a deep ensemble of fine-tunes with fresh heads: 8 independent particles, each with its own new head
+  (``init_reinit="^Dense_0/"``) on the pre-trained body; its fused model is the plain average of its members,
+  the *uniform soup*;
+- ipf from it: the population, every particle the pre-trained model (head included), the config's filter;
+- ipf from it with ``correction=1 ess_target=0.5`` (the setting ahead of DDP at batch 4,096, BENCHMARKS.md).
+
+Columns: the ensemble's accuracy and NLL (DDP: its model), the fused model's (the ensemble's: the uniform soup;
+ipf: the learned soup), the best single member's and the mean member's, the ECE and the shift and OOD
+columns of ``benchmarks/fashion_mnist.py`` (whose ``run_one`` runs each). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np  # noqa: E402
+
+from benchmarks import fashion_mnist as study  # noqa: E402
+from benchmarks.common import print_summary  # noqa: E402
+from configs import fashion_mnist  # noqa: E402
+from ipf_jax.runtime import trainer  # noqa: E402
+
+HEAD = "^Dense_0/"  # the CNN's classifier
+METHODS = {
+  "one fine-tune (ddp)": dict(mode="ddp", num_particles=1),
+  "deep ensemble of fine-tunes (fresh heads)": dict(mode="ensemble", num_particles=8, init_reinit=HEAD),
+  "ipf from it": dict(mode="ipf"),
+  "ipf from it (correction=1 + ess_target=0.5)": dict(mode="ipf", correction=1.0, ess_target=0.5),
+}
+COLUMNS = [
+  ("ens_acc", 100, ".2f"),
+  ("ens_nll", 1, ".3f"),
+  ("fused_acc", 100, ".2f"),
+  ("fused_nll", 1, ".3f"),
+  ("best_acc", 100, ".2f"),
+  ("best_nll", 1, ".3f"),
+  ("mean_acc", 100, ".2f"),
+  ("ens_ece", 1, ".3f"),
+  ("shift_ens_acc", 100, ".1f"),
+  ("ood_digits", 1, ".3f"),
+  ("disagreement", 1, ".3f"),
+]
+
+
+def pretrain(args, workdir: str) -> str:
+  """The DDP model every fine-tune starts from: its workdir (``init_from`` reads its exported fused model)."""
+  config = fashion_mnist.get_config()
+  config.update(data_dir=args.data_dir, seed=0, mode="ddp", num_particles=1, num_epochs=float(args.pre_epochs))
+  config.update(checkpoint_every_steps=-1, log_every_steps=100)
+  if args.cnn_features:
+    config.cnn_features = tuple(int(f) for f in args.cnn_features.split(","))
+  if args.steps:
+    config.update(num_epochs=0.0, num_train_steps=args.steps)
+  r = trainer.train_and_evaluate(config, workdir)
+  return workdir, float(r["ensemble"]["accuracy"]), float(r["ensemble"]["nll"])
+
+
+def finetune_row(args, method: str, start: str, workdir: str) -> dict:
+  base = fashion_mnist.get_config()
+  overrides = dict(METHODS[method], init_from=start, base_lr=base.base_lr * args.lr_factor)
+  overrides.update(warmup_epochs=0.0, warmup_steps=0)
+  row = study.run_one(args, method, 0, workdir, overrides)
+  fused = row["single_acc"], row["single_nll"]  # run_one's single model: ddp, ipf: the fused one
+  if METHODS[method]["mode"] == "ensemble":  # run_one reports the mean member there; the soup is the fused model
+    results = json.load(open(os.path.join(workdir, "eval_results.json")))
+    fused = results["fused"]["accuracy"], results["fused"]["nll"]
+  best = int(np.argmax(row["particles_acc"]))
+  return {
+    **row,
+    "fused_acc": float(fused[0]),
+    "fused_nll": float(fused[1]),
+    "best_acc": row["particles_acc"][best],
+    "best_nll": row["particles_nll"][best],
+    "mean_acc": float(np.mean(row["particles_acc"])),
+    "lr_factor": args.lr_factor,
+    "pre_epochs": args.pre_epochs,
+  }
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| method | " + " | ".join(c for c, _, _ in COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+  for r in rows:
+    lines.append(f"| {r['method']} | " + " | ".join(f"{r[c] * s:{f}}" for c, s, f in COLUMNS) + " |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--data_dir", default=os.path.expanduser("~/tensorflow_datasets"))
+  parser.add_argument("--pre_epochs", type=float, default=3.0)
+  parser.add_argument("--epochs", type=float, default=2.0)
+  parser.add_argument("--lr_factor", type=float, default=0.1)
+  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=0, help="pre-train and fine-tune this many steps (smoke runs)")
+  parser.add_argument("--methods", default=",".join(METHODS), help="a comma list of: " + ", ".join(METHODS))
+  parser.add_argument("--shift_examples", type=int, default=500)
+  parser.add_argument("--eval_every_epochs", type=float, default=0.0)
+  parser.add_argument("--cnn_features", default="", help="e.g. 4,8 (smoke runs; the tables use the config's)")
+  parser.add_argument("--out", default="", help="append each run's row here (JSON lines)")
+  parser.add_argument("--resume", action="store_true", help="skip the methods --out already has")
+  args = parser.parse_args()
+  methods = study.start_study(parser, args, METHODS)
+  rows = study.previous_rows(args)
+  done = {r["method"] for r in rows}
+  with tempfile.TemporaryDirectory() as tmp:
+    start, pre_acc, pre_nll = pretrain(args, os.path.join(tmp, "pretrained"))
+    print(f"pre-trained (ddp, {args.pre_epochs:g} epochs): {100 * pre_acc:.2f}%, NLL {pre_nll:.3f}", flush=True)
+    for method in methods:
+      if method in done:
+        continue
+      row = dict(finetune_row(args, method, start, os.path.join(tmp, f"{len(rows)}")), pre_acc=pre_acc, pre_nll=pre_nll)
+      rows.append(row)
+      if args.out:
+        with open(args.out, "a") as f:
+          f.write(json.dumps(row) + "\n")
+      print(f"done {method}: ens {100 * row['ens_acc']:.2f}% fused {100 * row['fused_acc']:.2f}%", flush=True)
+  rows = [r for r in rows if r["method"] in methods]
+  print(
+    f"\nFashion-MNIST fine-tuning: {args.pre_epochs:g} epochs of DDP, then {args.epochs:g} epochs at "
+    f"{args.lr_factor:g}x the learning rate, global batch {args.batch}, 8 CPU devices, seed 0\n"
+  )
+  print(table(rows))
+  print_summary({"benchmark": "fashion_mnist_finetune", "rows": rows})
+
+
+if __name__ == "__main__":
+  main()
