@@ -58,8 +58,9 @@ COLUMNS = [
 ]
 
 
-def pretrain(args, workdir: str) -> str:
-  """The DDP model every fine-tune starts from: its workdir (``init_from`` reads its exported fused model)."""
+def pretrain(args, workdir: str) -> tuple[str, float, float]:
+  """The DDP model every fine-tune starts from: ``(its workdir, accuracy, NLL)`` (``init_from`` reads the
+  workdir's exported fused model)."""
   config = fashion_mnist.get_config()
   config.update(data_dir=args.data_dir, seed=0, mode="ddp", num_particles=1, num_epochs=float(args.pre_epochs))
   config.update(checkpoint_every_steps=-1, log_every_steps=100)
@@ -113,10 +114,19 @@ def main():
   parser.add_argument("--eval_every_epochs", type=float, default=0.0)
   parser.add_argument("--cnn_features", default="", help="e.g. 4,8 (smoke runs; the tables use the config's)")
   parser.add_argument("--out", default="", help="append each run's row here (JSON lines)")
-  parser.add_argument("--resume", action="store_true", help="skip the methods --out already has")
+  parser.add_argument("--resume", action="store_true", help="skip the methods --out has for this set-up")
   args = parser.parse_args()
   methods = study.start_study(parser, args, METHODS)
-  rows = study.previous_rows(args)
+  same = lambda r: (
+    (r["epochs"], r["pre_epochs"], r["lr_factor"], r["steps"])
+    == (
+      args.epochs,
+      args.pre_epochs,
+      args.lr_factor,
+      study.run_steps(args),
+    )
+  )
+  rows = [r for r in study.previous_rows(args) if same(r)]  # the rows of this set-up already measured
   done = {r["method"] for r in rows}
   with tempfile.TemporaryDirectory() as tmp:
     start, pre_acc, pre_nll = pretrain(args, os.path.join(tmp, "pretrained"))

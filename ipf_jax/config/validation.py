@@ -134,7 +134,11 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
 
 def _validate_fsdp(config: ml_collections.ConfigDict) -> None:
   """``fsdp`` with what updates a block of a particle's weights from that block alone."""
-  _check(config.fsdp_min_size_mb >= 0, "fsdp_min_size_mb", f"must be >= 0 MiB, got {config.fsdp_min_size_mb}")
+  _check(
+    config.fsdp_min_size_mb >= 0,
+    "fsdp_min_size_mb",
+    f"must be >= 0 MiB (0: shard every leaf that the data devices divide; default 1), got {config.fsdp_min_size_mb}",
+  )
   if not config.fsdp:
     return
   _check(

@@ -1,10 +1,11 @@
 """FSDP: each particle's parameters and optimizer state sharded over its group's ``"data"`` devices (DESIGN.md §2).
 
 Which leaves are sharded is big_vision's rule (``sharding.py``, ``fsdp(axis, min_size_to_shard_mb)``; its
-default 4 MiB is 1 here, ``config.fsdp_min_size_mb``): a leaf of at least ``min_bytes`` per particle is split
+default 4 MiB is 1 here, ``config.fsdp_min_size_mb``, and a leaf of exactly the threshold is sharded, where
+big_vision keeps it whole): a parameter of at least ``min_bytes`` per particle is split
 over ``"data"`` along its largest dimension that the axis size divides (the last of equal ones); smaller leaves,
-and leaves no dimension of which divides, stay whole on every device of the group. The rule reads shapes only,
-so Adam's moments and SGD's momentum are sharded as their parameters are, and the layout is a property of the
+and leaves no dimension of which divides, stay whole on every device of the group; Adam's moments and SGD's
+momentum are sharded as their parameters are (``like_params``). The layout is a property of the
 state's arrays: every jitted function reads it from their types (``specs_of``), and a checkpoint restores onto
 any layout (the global arrays are the same).
 
@@ -28,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.spmd.mesh import DATA, PARTICLE
@@ -56,11 +56,26 @@ def tree_specs(tree, size: int, min_bytes: float):
   return jax.tree.map(lambda x: spec(leaf_dim(tuple(x.shape), np.dtype(x.dtype).itemsize, size, min_bytes)), tree)
 
 
+def like_params(opt_state, param_specs):
+  """The optimizer state's specs: a leaf shaped as a parameter is sharded as that parameter is (Adam's moments,
+  SGD's momentum, whatever their dtype: a bfloat16 moment under the threshold still follows its float32
+  parameter), any other leaf (a count) whole."""
+  by_shape = {}
+  for partition, shape in param_specs:
+    by_shape.setdefault(shape, partition)
+  return jax.tree.map(lambda x: by_shape.get(tuple(x.shape), P(PARTICLE)), opt_state)
+
+
 def data_dim(partition: Any) -> int:
   """The dimension a ``PartitionSpec`` shards over ``"data"``, or ``REPLICATED``."""
   for d, entry in enumerate(tuple(partition)):
     names = entry if isinstance(entry, tuple) else (entry,)
     if DATA in names:
+      if d == 0:
+        raise ValueError(
+          f"a particle leaf sharded {partition}: its first dimension is the particle axis, which only "
+          '"particle" may shard; place the state with state.state_shardings (config.fsdp shards a later one)'
+        )
       return d
   return REPLICATED
 
@@ -98,10 +113,6 @@ def blocks(dims) -> Optional[tuple]:
   return (tuple(jax.tree.leaves(dims)), DATA) if is_sharded(dims) else None
 
 
-def shardings(mesh: jax.sharding.Mesh, specs):
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
 def summary(abstract_state) -> str:
   """One line on what ``config.fsdp`` sharded (from an abstract state's shardings): leaves, the share of the
   bytes, and the parameters and optimizer state per device against whole particles."""
@@ -134,12 +145,6 @@ def gather(tree, dims, invariant: bool = False):
     return x if d == REPLICATED else lax.all_gather(x, DATA, axis=d - 1, tiled=True, to=to)
 
   return jax.tree.map(one, tree, dims)
-
-
-def gather_blocks(tree, dims, invariant: bool = True):
-  """``gather`` for ``[L, ...]`` (or ``[...]`` without a particle axis, ``dims`` of the ``[P, ...]`` leaves)
-  blocks outside per-particle code: the sharded dimension is ``dims`` itself."""
-  return gather(tree, jax.tree.map(lambda d: d if d == REPLICATED else d + 1, dims), invariant)
 
 
 def sum_over_blocks(values, dims):
@@ -185,6 +190,12 @@ def global_norm(tree):
   particle (``updating``)."""
   dims = _UPDATE_DIMS.get()
   leaves = jax.tree.leaves(tree)
-  if dims is None or len(jax.tree.leaves(dims)) != len(leaves):
+  if dims is None:
     return optax.tree.norm(tree)
+  if len(jax.tree.leaves(dims)) != len(leaves):
+    raise ValueError(
+      f"config.fsdp: clip_by_global_norm was given {len(leaves)} leaves of a particle sharded in "
+      f"{len(jax.tree.leaves(dims))}: it must see the whole update (first in the chain, not under optax.masked "
+      "or multi_transform), or set fsdp=False"
+    )
   return jnp.sqrt(sum_over_blocks([jnp.sum(jnp.square(x)) for x in leaves], dims))

@@ -94,15 +94,15 @@ def shard_map_on_state(fn: Callable, mesh: jax.sharding.Mesh, in_specs: tuple, o
 def state_shardings(
   mesh: jax.sharding.Mesh, state_shape: ParticleState, fsdp_min_bytes: Optional[float] = None
 ) -> ParticleState:
-  """A ``NamedSharding`` for every leaf of ``state_shape``; with ``fsdp_min_bytes``, the parameters and the
-  optimizer state of at least that many bytes per particle sharded over ``"data"`` too (``fsdp.leaf_dim``)."""
+  """A ``NamedSharding`` for every leaf of ``state_shape``; with ``fsdp_min_bytes``, the parameters of at least
+  that many bytes per particle sharded over ``"data"`` too (``fsdp.leaf_dim``), and the optimizer state as its
+  parameters (``fsdp.like_params``)."""
   specs = state_specs()
   if fsdp_min_bytes is not None:
-    size = mesh.shape[DATA]
-    specs = specs.replace(
-      params=fsdp.tree_specs(state_shape.params, size, fsdp_min_bytes),
-      opt_state=fsdp.tree_specs(state_shape.opt_state, size, fsdp_min_bytes),
-    )
+    params = fsdp.tree_specs(state_shape.params, mesh.shape[DATA], fsdp_min_bytes)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(state_shape.params)]
+    pairs = list(zip(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, P)), shapes))
+    specs = specs.replace(params=params, opt_state=fsdp.like_params(state_shape.opt_state, pairs))
   return jax.tree.map(
     lambda spec, sub: jax.tree.map(lambda _: NamedSharding(mesh, spec), sub),
     specs,
