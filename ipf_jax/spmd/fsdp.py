@@ -138,7 +138,10 @@ def gather(tree, dims, invariant: bool = False):
   """One particle's whole leaves from its blocks (per-particle code: the ``[P]`` axis is gone, so a leaf's
   sharded dimension is ``dims - 1``). The transpose of this gather is a reduce-scatter over ``"data"``.
   ``invariant``: the result typed the same on every device of the group (forward-only uses whose output
-  leaves ``shard_map`` replicated: fusion, evaluation)."""
+  leaves ``shard_map`` replicated: fusion, evaluation). With no leaf a block (``dims`` None or all
+  ``REPLICATED``) the tree comes back as it is."""
+  if not is_sharded(dims):
+    return tree
   to = "invarying" if invariant else "varying"
 
   def one(x, d):
@@ -149,7 +152,9 @@ def gather(tree, dims, invariant: bool = False):
 
 def sum_over_blocks(values, dims):
   """``sum`` of per-leaf partial results (``[L]`` or scalars, a list in ``tree`` leaf order): a sharded leaf's
-  result is the ``psum`` over ``"data"`` of its blocks'."""
+  result is the ``psum`` over ``"data"`` of its blocks' (``dims`` None: every leaf whole, a plain ``sum``)."""
+  if not is_sharded(dims):
+    return sum(values)
   dims = jax.tree.leaves(dims)
   local = [v for v, d in zip(values, dims) if d == REPLICATED]
   spread = [v for v, d in zip(values, dims) if d != REPLICATED]

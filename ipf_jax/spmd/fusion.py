@@ -48,7 +48,7 @@ def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
 
   def local(dims, state: ParticleState):
     params, stats = fused(state)
-    whole = fsdp.gather(params, dims, invariant=True) if fsdp.is_sharded(dims) else params
+    whole = fsdp.gather(params, dims, invariant=True)
     variables = {"params": sharing.merge(whole, state.shared_params), "batch_stats": stats}
     return variables, _distances(state, params, dims)
 
@@ -72,7 +72,7 @@ def _distances(state: ParticleState, fused_params, dims=None):
     jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
     for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_params))
   ]
-  sq = fsdp.sum_over_blocks(sq, dims) if fsdp.is_sharded(dims) else sum(sq)
+  sq = fsdp.sum_over_blocks(sq, dims)
   return pf.gather_all(jnp.sqrt(sq), PARTICLE)
 
 
@@ -89,7 +89,7 @@ def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap")
 
   def local(dims, state: ParticleState, batch):
     params = correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE)  # stats are replaced
-    params = fsdp.gather(params, dims, invariant=True) if fsdp.is_sharded(dims) else params
+    params = fsdp.gather(params, dims, invariant=True)
     params = sharing.merge(params, state.shared_params)
     key = stream(state.rng, Stream.FUSED_BN) if task.rngs else None
 

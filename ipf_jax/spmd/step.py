@@ -78,7 +78,7 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
 
   def loss_fn(params, shared, batch_stats, batch, keys):
     model_key, augment_key = keys
-    params = fsdp.gather(params, dims) if sharded else params
+    params = fsdp.gather(params, dims)
     if task.augment is not None:  # mixup: the particle's examples and targets, mixed
       batch = task.augment(batch, augment_key)
     outputs, new_stats = task.apply(
@@ -158,7 +158,7 @@ def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, b
   common = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), mine)  # [P k, ...], the same on every particle
 
   def score_fn(params, shared, batch_stats, key):
-    params = fsdp.gather(params, dims) if fsdp.is_sharded(dims) else params
+    params = fsdp.gather(params, dims)
     outputs, _ = task.apply(
       {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, common, train=True, key=key
     )
