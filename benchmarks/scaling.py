@@ -6,8 +6,8 @@
 For each model, P = Dp x L particles on Dp devices (L = 1 and 2 per device), the
 train step is compiled three times: without the resampling branch, and with it
 for each exchange (``all_to_all``: one collective of [Dp, L] blocks;
-``rounds``: up to (Dp - 1) x L ``ppermute`` rounds of one particle, each run
-only when a slot needs it). Reported per device, from XLA's ``memory_analysis()`` and the
+``rounds``: a loop over the rounds of one particle a resampling needs, each a
+``lax.switch`` over Dp static ``ppermute`` shifts). Reported per device, from XLA's ``memory_analysis()`` and the
 compiled HLO (bytes each device sends, as benchmarks/compression.py counts
 them; a ``collective-permute`` sends its whole buffer): peak memory, the
 step's collective bytes without resampling, the bytes one resampling moves when
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-DEFAULT_DPS = {"cnn": "1,2,4,8,16,32,64", "resnet18": "1,2,4,8,16,32,64", "resnet50": "1,4,16"}
+DEFAULT_DPS = {"cnn": "1,2,4,8,16,32,64", "resnet18": "1,2,4,8,16,32,64", "resnet50": "1,4,16", "vit_b16": "8,64"}
 
 
 def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
@@ -122,17 +122,17 @@ def main():
   print(
     "\n| model | L | Dp | particle MiB | peak MiB, no resampling | ÷, all_to_all | ÷, rounds | step collectives "
     "KiB | one resampling KiB, K=1: all_to_all / rounds | K=P/2: all_to_all / rounds | compile s (none / "
-    "all_to_all / rounds) |"
+    "all_to_all / rounds) | compile ÷, rounds |"
   )
-  print("|" + "---|" * 11)
+  print("|" + "---|" * 12)
   summary = []
   for row in results:
     none, a2a, rnd = row["none"], row["all_to_all"], row["rounds"]
     p_bytes = none["particle_bytes"]
     base = sum(none["collective_bytes"].values())
     a2a_bytes = sum(a2a["collective_bytes"].values()) - base  # the exchange: every resampling moves all of it
-    # (Dp - 1) x L rounds of one particle each in the compiled step
-    per_round = rnd["collective_bytes"].get("collective-permute", 0.0) / max(1, (none["dp"] - 1) * none["per_device"])
+    # the loop's one round: a switch of Dp - 1 shifts across devices, each sending one particle
+    per_round = rnd["collective_bytes"].get("collective-permute", 0.0) / max(1, none["dp"] - 1)
     rounds_run = rnd.get("rounds_run", {})
     k_half = max(1, none["dp"] * none["per_device"] // 2)
     r1, rh = per_round * rounds_run.get("1", 0.0), per_round * rounds_run.get(str(k_half), 0.0)  # JSON keys
@@ -142,7 +142,7 @@ def main():
       f"{none['peak_mib']:.1f} | "
       f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "
       f"{kib(a2a_bytes)} / {kib(r1)} | {kib(a2a_bytes)} / {kib(rh)} | {none['compile_s']:.0f} / "
-      f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} |"
+      f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} | {rnd['compile_s'] / none['compile_s']:.2f} |"
     )
     summary.append(
       {

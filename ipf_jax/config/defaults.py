@@ -155,7 +155,8 @@ def _particles(config: ml_collections.ConfigDict) -> None:
                                        # shrinks with the schedule; 0 = off)
   config.resample_exchange = "auto"    # how resampled particles move between devices: all_to_all (one
                                        # collective of P particles) | rounds (one-particle ppermute rounds,
-                                       # only those needed) | auto (= rounds, measured: BENCHMARKS.md "Scaling")
+                                       # only those needed) | ragged (one ragged_all_to_all per leaf; GPU/TPU
+                                       # only, not yet run on one) | auto (= rounds: BENCHMARKS.md "Scaling")
   config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
                                        # train batches before evaluating and exporting it (0 = weighted average)
 

@@ -410,6 +410,11 @@ def _validate_mesh(config: ml_collections.ConfigDict, available_devices: int) ->
       f"gcd({p}, devices) (e.g. {math.gcd(p, n)} on these {n} devices)",
     )
   dp, dd = mesh_lib.mesh_shape(p, n, dp)
+  _check(
+    config.resample_exchange != "ragged" or dp == 1 or jax.default_backend() != "cpu",
+    "resample_exchange",
+    "ragged needs a GPU or TPU (XLA:CPU does not implement ragged-all-to-all); use rounds or auto on the CPU",
+  )
   _validate_batch(config, available_devices, dd)
   return dp, dd
 
