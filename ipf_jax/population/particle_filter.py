@@ -204,7 +204,7 @@ Exchange = Callable[[Any, jax.Array, str, int], Any]
 
 
 def exchange_fn(method: str) -> Exchange:
-  """The exchange named by ``resample_exchange``: ``all_to_all``, ``rounds`` or ``auto``
+  """The exchange named by ``resample_exchange``: ``all_to_all``, ``rounds``, ``ragged`` (GPU/TPU) or ``auto``
   (``choose_exchange``)."""
   return {"all_to_all": exchange_all_to_all, "rounds": exchange_rounds, "ragged": exchange_ragged}[
     choose_exchange(method)
