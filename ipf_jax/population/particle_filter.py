@@ -379,7 +379,8 @@ def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Opt
     take = one(mine_dev, j) == sender
     return i + 1, [_put_slot(o, j, v, take) for o, v in zip(out, received)]
 
-  _, out = lax.while_loop(lambda carry: carry[0] < jnp.sum(active), round_, (jnp.int32(0), leaves))
+  count = jnp.sum(active)  # rounds to run, replicated
+  _, out = lax.while_loop(lambda carry: carry[0] < count, round_, (jnp.int32(0), leaves))
   return jax.tree.unflatten(treedef, out)
 
 
