@@ -3,9 +3,9 @@
   python -m benchmarks.exchange_buckets                 # 8 CPU devices (set below), digits CNN
   python -m benchmarks.exchange_buckets --buckets 1,65536,262144,4194304,auto
 
-Each bucket size is one ``ppermute`` per bucket of a round (``filter.buckets``): ``1`` puts every leaf
+Each bucket size is one ``ppermute`` per bucket of a round (``exchange.buckets``): ``1`` puts every leaf
 in its own (one collective per leaf), ``auto`` is the shipped default (a quarter of a particle, at
-most ``filter.BUCKET_BYTES``). Steps are ipf with ``resample_every=1`` (about 3 rounds per step at
+most ``exchange.BUCKET_BYTES``). Steps are ipf with ``resample_every=1`` (about 3 rounds per step at
 P = 8 on 8 devices); medians of repeated steps in alternating rounds, each ÷ the ensemble step
 measured in the same process; peak memory from ``memory_analysis()``.
 """
@@ -22,7 +22,7 @@ import jax  # noqa: E402
 
 from benchmarks.common import measure, memory_mib, print_summary, print_table  # noqa: E402
 from benchmarks.common import Timed, config_for  # noqa: E402
-from ipf_jax.population import particle_filter as pf  # noqa: E402
+from ipf_jax.population import exchange as exchange_lib  # noqa: E402
 
 
 def main():
@@ -39,7 +39,11 @@ def main():
   peaks = {"ensemble": memory_mib(variants["ensemble"].bench.compiled())["peak"]}
   for b in args.buckets.split(","):
     name = f"rounds, bucket {b}"
-    exchange = pf.exchange_rounds if b == "auto" else functools.partial(pf.exchange_rounds, bucket_bytes=int(b))
+    exchange = (
+      exchange_lib.exchange_rounds
+      if b == "auto"
+      else functools.partial(exchange_lib.exchange_rounds, bucket_bytes=int(b))
+    )
     variants[name] = Timed(
       config_for(args, mode="ipf", num_particles=p, ess_threshold=0.0, resample_every=1), args, exchange=exchange
     )

@@ -38,7 +38,7 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
   from benchmarks.common import Bench, memory_mib
   from benchmarks.compression import collective_bytes
   from ipf_jax.config import defaults
-  from ipf_jax.population import particle_filter as pf
+  from ipf_jax.population import exchange as exchange_lib
 
   config = defaults.get_config()
   config.model, config.num_cpu_devices, config.small_inputs = model, 0, True
@@ -75,7 +75,7 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
         src = np.arange(p)
         slots = rng.choice(p, k, replace=False)
         src[slots] = rng.choice(np.setdiff1d(np.arange(p), slots), k)  # each replaced by a survivor
-        counts.append(int(np.asarray(pf.active_rounds(src, per_device, dp))[1:].sum()))
+        counts.append(int(np.asarray(exchange_lib.active_rounds(src, per_device, dp))[1:].sum()))
       rounds[k] = float(np.mean(counts))
     out["rounds_run"] = rounds
   return out

@@ -19,7 +19,7 @@ import ml_collections
 import optax
 
 from ipf_jax.config import validation
-from ipf_jax.population import particle_filter as pf
+from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.spmd import eval_step, fusion, optim, pretrained
 from ipf_jax.spmd import mesh as mesh_lib
 from ipf_jax.spmd import state as state_lib
@@ -70,7 +70,7 @@ def build(
   devices: Optional[Sequence[jax.Device]] = None,
   spec: Optional[ParticleSpec] = None,
   optimizer: Optional[optim.Optimizer] = None,
-  exchange: Optional[pf.Exchange] = None,
+  exchange: Optional[exchange_lib.Exchange] = None,
   tx: Optional[optax.GradientTransformation] = None,
 ) -> Parts:
   """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
@@ -84,8 +84,8 @@ def build(
       optax.GradientTransformation`` (e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``), or any
       ``optax.GradientTransformation`` with its own schedule; default the config's (``config.optimizer``,
       ``optim.create_optimizer``).
-    exchange: how resampled particles move (``particle_filter.Exchange``, e.g. ``functools.partial(
-      particle_filter.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
+    exchange: how resampled particles move (``population.exchange.Exchange``, e.g. ``functools.partial(
+      exchange.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
     tx: the same as ``optimizer=tx``, for a transformation. A transformation brings its own schedule, so the
       step's ``lr`` metric (the config's schedule) is left out unless ``jitter_lr`` needs the schedule.
   """

@@ -14,7 +14,7 @@ import jax
 import ml_collections
 
 from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
-from ipf_jax.population import particle_filter as pf
+from ipf_jax.population import exchange
 from ipf_jax.spmd import mesh as mesh_lib
 from ipf_jax.spmd.optim import ELEMENTWISE, OPTIMIZERS
 from ipf_jax.spmd.spec import ParticleSpec
@@ -38,7 +38,7 @@ def resolve_particle_loop(loop: str, backend: Optional[str] = None) -> str:
   return BEST_PARTICLE_LOOP.get(backend or jax.default_backend(), "vmap")
 
 
-EXCHANGES = ("auto",) + pf.EXCHANGES
+EXCHANGES = ("auto",) + exchange.EXCHANGES
 
 
 def setup_devices(config: ml_collections.ConfigDict) -> None:

@@ -23,7 +23,7 @@ class ParticleSpec:
   compress_correction: bool = False
   elastic_pull: float = 0.0
   particle_loop: str = "vmap"  # resolved: vmap | map | unroll
-  resample_exchange: str = "auto"  # all_to_all | rounds | auto (particle_filter.choose_exchange)
+  resample_exchange: str = "auto"  # all_to_all | rounds | auto (population.exchange.choose_exchange)
   weigh_on: str = "own"
   common_examples: int = 2
   ess_target: float = 0.0

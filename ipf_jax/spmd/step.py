@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.population import compression, correction
+from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.population.streams import Stream, stream
 from ipf_jax.spmd import fsdp, loss_scaling, sharing
@@ -309,7 +310,15 @@ def commit(state: ParticleState, ok, particle, log_w, shared_params, shared_opt_
 
 
 def resample_phase(
-  spec: ParticleSpec, dp: int, state: ParticleState, key, all_log_w, decide, sigma, exchange: pf.Exchange, dims=None
+  spec: ParticleSpec,
+  dp: int,
+  state: ParticleState,
+  key,
+  all_log_w,
+  decide,
+  sigma,
+  exchange: exchange_lib.Exchange,
+  dims=None,
 ):
   """Phase 5: ``(state, src [P])``; where ``decide`` (replicated), the committed population resampled
   (``particle_filter.resample``: survivors in place, weights uniform, particles moved by ``exchange``), else
@@ -384,7 +393,7 @@ class StepParts(NamedTuple):
   spec: ParticleSpec
   dp: int
   lr_fn: Optional[optax.Schedule]
-  exchange: pf.Exchange
+  exchange: exchange_lib.Exchange
   dims: Any = None  # fsdp.dims_of the parameters (config.fsdp: which are blocks over "data"), set when traced
 
 
@@ -421,7 +430,7 @@ def make_train_step(
   spec: ParticleSpec,
   mesh: jax.sharding.Mesh,
   lr_fn: Optional[optax.Schedule] = None,
-  exchange: Optional[pf.Exchange] = None,
+  exchange: Optional[exchange_lib.Exchange] = None,
 ) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
 
@@ -430,10 +439,12 @@ def make_train_step(
   is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``;
   with it the metrics hold ``lr``, the schedule at the optimizer's count (``updates_done``: steps skipped
   whole apply no update, so the count lags ``state.step`` by them). ``exchange`` moves resampled particles
-  (``particle_filter.Exchange``; default ``particle_filter.exchange_fn(spec.resample_exchange)``; unused
+  (``population.exchange.Exchange``; default ``exchange.exchange_fn(spec.resample_exchange)``; unused
   where ``spec.resampling`` is off: ensemble, DDP).
   """
-  parts = StepParts(task, tx, spec, mesh.shape[PARTICLE], lr_fn, exchange or pf.exchange_fn(spec.resample_exchange))
+  parts = StepParts(
+    task, tx, spec, mesh.shape[PARTICLE], lr_fn, exchange or exchange_lib.exchange_fn(spec.resample_exchange)
+  )
 
   def local(dims, state, batch):
     return local_step(parts._replace(dims=dims), state, batch)
