@@ -92,6 +92,24 @@ def test_two_hosts_equal_one_host_and_elastic_restore(runs, tmp_path):
   assert "mesh (particle, data)=(2, 4) on 8 cpu device(s), 1 process(es)" in out
 
 
+def test_a_population_from_one_particle_of_a_checkpoint_on_two_hosts_equals_one_host(runs, tmp_path):
+  """config.init_from with init_particle on 2 hosts: each process reads the particle from the 4-device run's
+  checkpoint on the host (orbax, numpy) and the head starts fresh per particle; the run is the one host's."""
+  single = runs[0]
+  start = (f"--config.init_from={single}", "--config.init_particle=1", "--config.init_reinit=^Dense_0/")
+  two, one = tmp_path / "two", tmp_path / "one"
+  out = helpers.run_processes(
+    helpers.train_py_argv(two, *FLAGS, *start, "--config.num_train_steps=2", "--config.num_cpu_devices=2"), 2
+  )[0]
+  assert f"every particle starts from particle 1 of the newest checkpoint in {single}; fresh per particle" in out
+  r = helpers.run_train_py(one, *FLAGS, *start, "--config.num_train_steps=2", "--config.num_cpu_devices=4")
+  assert r.returncode == 0, r.stdout + r.stderr
+  np.testing.assert_allclose(step_lines(out), step_lines(r.stdout), atol=2e-4)
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), final_state(two, 2), final_state(one, 2)
+  )
+
+
 def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterrupted(runs, tmp_path):
   """A preemption notice reaches one host: both save the same step (JAX's preemption sync point) and
   exit 143; the resumed run ends bit for bit where the uninterrupted one does."""

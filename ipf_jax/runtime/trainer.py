@@ -174,12 +174,23 @@ class _Run:
       build_lib.state_shapes(config, task, self.dataset.example, self.steps_per_epoch or 1, self.optimizer)
     )
 
+  def log_start(self):
+    """Where a new population starts when ``config.init_from`` names a checkpoint (DESIGN.md §8)."""
+    c = self.config
+    if c.init_from:
+      what = (
+        f"particle {c.init_particle} of the newest checkpoint in {c.init_from}" if c.init_particle >= 0 else c.init_from
+      )
+      fresh = f"; fresh per particle: the parameters matching {c.init_reinit!r}" if c.init_reinit else ""
+      log.info("every particle starts from %s%s", what, fresh)
+
   def restore(self, ckpt: checkpoint_lib.Checkpointer):
     """The newest usable checkpoint's state, or ``None`` when the workdir has none (says which)."""
     restored = ckpt.restore_latest(self.parts.abstract_state, self.config, shapes_for=self.state_signature)
     if restored is None:
       if self.for_training:  # --eval_only stops with its own error
         log.info("starting a new run: no checkpoint in %s", ckpt.directory)
+        self.log_start()
       return None
     state, meta = restored
     log.info(
