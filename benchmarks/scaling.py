@@ -2,6 +2,7 @@
 
   python -m benchmarks.scaling                                   # cnn and resnet18 to Dp = 64, resnet50 to 16
   python -m benchmarks.scaling --models cnn --dps 1,2,8 --per_device 1   # a smoke run
+  python -m benchmarks.scaling --models resnet18 --per_device 1 --dps 2,8,32 --dd 2 --fsdp   # fsdp, Dd = 2
 
 For each model, P = Dp x L particles on Dp devices (L = 1 and 2 per device), the
 train step is compiled three times: without the resampling branch, and with it
@@ -13,9 +14,12 @@ them; a ``collective-permute`` sends its whole buffer): peak memory, the
 step's collective bytes without resampling, the bytes one resampling moves when
 1 and when P/2 particles are replaced (``rounds``: bytes of one round times the
 rounds that resampling runs, averaged over 20 random replacements), and compile
-time. Each device count runs in its own process (the fake device count is fixed
-when JAX starts). ResNets on 32 x 32 images (a CIFAR stem): the parameter and
-optimizer state is the full model's; activations are small.
+time, and the number of collectives of each kind in the compiled step. ``--dd``
+puts each particle group on that many devices (``Dp x Dd`` devices); ``--fsdp``
+shards each particle over its group (``config.fsdp``, DESIGN.md §4). Each device
+count runs in its own process (the fake device count is fixed when JAX starts).
+ResNets on 32 x 32 images (a CIFAR stem): the parameter and optimizer state is
+the full model's; activations are small.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,8 +35,8 @@ import time
 DEFAULT_DPS = {"cnn": "1,2,4,8,16,32,64", "resnet18": "1,2,4,8,16,32,64", "resnet50": "1,4,16", "vit_b16": "8,64"}
 
 
-def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
-  """One compile on ``dp`` fake devices (this process was started with that many)."""
+def child(model: str, dp: int, per_device: int, exchange: str, dd: int = 1, fsdp: bool = False) -> dict:
+  """One compile on ``dp x dd`` fake devices (this process was started with that many)."""
   import jax
   import numpy as np
 
@@ -43,7 +48,8 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
   config = defaults.get_config()
   config.model, config.num_cpu_devices, config.small_inputs = model, 0, True
   config.num_particles, config.particle_axis_size = dp * per_device, dp
-  config.global_batch_size = dp * per_device * 8
+  config.global_batch_size = dp * per_device * 8 * dd
+  config.fsdp = fsdp
   config.resample_exchange = exchange if exchange != "none" else "all_to_all"
   shape, classes = ((8, 8, 1), 10) if model == "cnn" else ((32, 32, 3), 10)
   t = time.perf_counter()
@@ -59,6 +65,9 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
     "compile_s": compile_s,
     "peak_mib": memory_mib(compiled)["peak"],
     "collective_bytes": collective_bytes(hlo),
+    "collectives": collective_counts(hlo),
+    "dd": dd,
+    "fsdp": fsdp,
     "particle_bytes": sum(
       int(np.prod(x.shape)) * x.dtype.itemsize
       for x in jax.tree.leaves((bench.abstract.params, bench.abstract.opt_state, bench.abstract.batch_stats))
@@ -81,10 +90,24 @@ def child(model: str, dp: int, per_device: int, exchange: str) -> dict:
   return out
 
 
-def run_child(model, dp, per_device, exchange):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={dp}")
+def collective_counts(hlo: str) -> dict:
+  """How many collectives of each kind the compiled HLO holds (a ``switch`` branch's count once)."""
+  out = {}
+  for line in hlo.splitlines():
+    m = COLLECTIVE_OP.search(line)
+    if m:
+      out[m.group(1)] = out.get(m.group(1), 0) + 1
+  return out
+
+
+COLLECTIVE_OP = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
+
+
+def run_child(model, dp, per_device, exchange, dd=1, fsdp=False):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={dp * dd}")
+  argv = [model, str(dp), str(per_device), exchange, str(dd), str(int(fsdp))]
   r = subprocess.run(
-    [sys.executable, "-m", "benchmarks.scaling", "--child", model, str(dp), str(per_device), exchange],
+    [sys.executable, "-m", "benchmarks.scaling", "--child", *argv],
     env=env,
     capture_output=True,
     text=True,
@@ -99,11 +122,13 @@ def main():
   parser.add_argument("--models", default="cnn,resnet18,resnet50")
   parser.add_argument("--dps", default=None, help="device counts (default per model: %s)" % DEFAULT_DPS)
   parser.add_argument("--per_device", default="1,2")
-  parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+  parser.add_argument("--dd", type=int, default=1, help="devices per particle group (Dp x Dd devices)")
+  parser.add_argument("--fsdp", action="store_true", help="shard each particle over its group (config.fsdp)")
+  parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    model, dp, per_device, exchange = args.child
-    print(json.dumps(child(model, int(dp), int(per_device), exchange)))
+    model, dp, per_device, exchange, dd, fsdp = args.child
+    print(json.dumps(child(model, int(dp), int(per_device), exchange, int(dd), bool(int(fsdp)))))
     return
   from benchmarks.common import print_summary
 
@@ -111,20 +136,20 @@ def main():
   for model in args.models.split(","):
     for per_device in [int(x) for x in args.per_device.split(",")]:
       for dp in [int(x) for x in (args.dps or DEFAULT_DPS[model]).split(",")]:
-        row = {e: run_child(model, dp, per_device, e) for e in ("none", "all_to_all", "rounds")}
+        row = {e: run_child(model, dp, per_device, e, args.dd, args.fsdp) for e in ("none", "all_to_all", "rounds")}
         results.append(row)
         print(
-          f"compiled {model} Dp={dp} L={per_device}: peak none/all_to_all/rounds = "
+          f"compiled {model} Dp={dp} Dd={args.dd} fsdp={args.fsdp} L={per_device}: peak none/all_to_all/rounds = "
           + "/".join(f"{row[e]['peak_mib']:.1f}" for e in row)
           + " MiB",
           flush=True,
         )
   print(
-    "\n| model | L | Dp | particle MiB | peak MiB, no resampling | ÷, all_to_all | ÷, rounds | step collectives "
-    "KiB | one resampling KiB, K=1: all_to_all / rounds | K=P/2: all_to_all / rounds | compile s (none / "
-    "all_to_all / rounds) | compile ÷, rounds |"
+    "\n| model | L | Dp | Dd | fsdp | particle MiB | peak MiB, no resampling | ÷, all_to_all | ÷, rounds | "
+    "step collectives KiB | one resampling KiB, K=1: all_to_all / rounds | K=P/2: all_to_all / rounds | "
+    "compile s (none / all_to_all / rounds) | compile ÷, rounds | collectives (none / rounds) |"
   )
-  print("|" + "---|" * 12)
+  print("|" + "---|" * 15)
   summary = []
   for row in results:
     none, a2a, rnd = row["none"], row["all_to_all"], row["rounds"]
@@ -138,11 +163,13 @@ def main():
     r1, rh = per_round * rounds_run.get("1", 0.0), per_round * rounds_run.get(str(k_half), 0.0)  # JSON keys
     kib = lambda b: f"{b / 1024:.0f}"
     print(
-      f"| {none['model']} | {none['per_device']} | {none['dp']} | {p_bytes / 2**20:.1f} | "
+      f"| {none['model']} | {none['per_device']} | {none['dp']} | {none['dd']} | {'on' if none['fsdp'] else 'off'} | "
+      f"{p_bytes / 2**20:.1f} | "
       f"{none['peak_mib']:.1f} | "
       f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "
       f"{kib(a2a_bytes)} / {kib(r1)} | {kib(a2a_bytes)} / {kib(rh)} | {none['compile_s']:.0f} / "
-      f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} | {rnd['compile_s'] / none['compile_s']:.2f} |"
+      f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} | {rnd['compile_s'] / none['compile_s']:.2f} | "
+      f"{sum(none['collectives'].values())} / {sum(rnd['collectives'].values())} |"
     )
     summary.append(
       {
@@ -158,6 +185,9 @@ def main():
         "resample_bytes_rounds_k1": r1,
         "resample_bytes_rounds_khalf": rh,
         "compile_s": [none["compile_s"], a2a["compile_s"], rnd["compile_s"]],
+        "dd": none["dd"],
+        "fsdp": none["fsdp"],
+        "collectives": [none["collectives"], rnd["collectives"]],
       }
     )
   print_summary({"benchmark": "scaling", "rows": summary})
