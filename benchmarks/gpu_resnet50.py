@@ -1,9 +1,14 @@
-"""The accelerator check: ResNet-50 train step images/s, MFU and peak memory for DDP and ipf, and a trace.
+"""The accelerator check: ResNet-50 or ViT-B/16 train step images/s, MFU and peak memory for DDP and ipf, and a trace.
 
   python -m benchmarks.gpu_resnet50                       # on a GPU: ResNet-50, bf16, 256 images/device, < 8 min
+  python -m benchmarks.gpu_resnet50 --model vit_b16       # ViT-B/16 with the ViT-S/16 recipe's AdamW, bf16
   python -m benchmarks.gpu_resnet50 --trace /tmp/trace    # also a jax.profiler trace of the fastest ipf L=2
   python -m benchmarks.gpu_resnet50 --tiny                # anywhere: resnet_tiny, 32x32, 8 images/device
   python -m benchmarks.gpu_resnet50 --dtype float16       # GPUs without bfloat16 (V100, T4): dynamic loss scaling
+  python -m benchmarks.gpu_resnet50 --tiny --model vit_ti16   # anywhere: ViT-Ti, 8 x 8 patches of 32x32
+
+A ResNet trains with ``configs/imagenet_r50.py``'s recipe (SGD with momentum); a ViT (``--model vit_*``) with
+``configs/imagenet_vit_s16.py``'s (AdamW with a bfloat16 first moment, clipping, weight decay, mixup 0.2).
 
 Variants, each on all local devices with the same images per device (the
 cost of one DDP replica, split over the L particles of a device):
@@ -27,7 +32,7 @@ import time
 import jax
 
 from benchmarks.common import Bench, measure, memory_mib, print_summary, print_table
-from configs import imagenet_r50
+from configs import imagenet_r50, imagenet_vit_s16
 
 # Dense bf16/fp16 peak FLOP/s by device kind (vendor specs), for MFU.
 PEAK_16BIT = {
@@ -47,8 +52,9 @@ VARIANTS = {
 
 def make(variant, args, devices):
   mode, per_device, loop = VARIANTS[variant]
-  config = imagenet_r50.get_config()
+  config = (imagenet_vit_s16 if args.model.startswith("vit") else imagenet_r50).get_config()
   config.model, config.image_size, config.dtype = args.model, args.image_size, args.dtype
+  config.vit_patch_size = args.patch_size
   config.mode, config.particle_loop = mode, loop
   config.num_particles = 1 if mode == "ddp" else per_device * devices
   config.global_batch_size = args.per_device_batch * devices
@@ -78,10 +84,13 @@ class Timed:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tiny", action="store_true", help="resnet_tiny, 32x32, 8 images per device (CPU smoke)")
+  parser.add_argument(
+    "--tiny", action="store_true", help="resnet_tiny (or --model vit_ti16 in 8x8 patches), 32x32, 8 images per device"
+  )
   parser.add_argument("--model", default="resnet50")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
   parser.add_argument("--image_size", type=int, default=224)
+  parser.add_argument("--patch_size", type=int, default=0, help="vits: 0 = the name's (16 for vit_b16)")
   parser.add_argument("--per_device_batch", type=int, default=256)
   parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
   parser.add_argument("--repeats", type=int, default=10)
@@ -89,7 +98,8 @@ def main():
   parser.add_argument("--trace", default="", help="write a jax.profiler trace of 3 steps of the fastest ipf L=2 here")
   args = parser.parse_args()
   if args.tiny:
-    args.model, args.image_size, args.per_device_batch, args.repeats, args.rounds = "resnet_tiny", 32, 8, 3, 2
+    args.image_size, args.per_device_batch, args.repeats, args.rounds = 32, 8, 3, 2
+    args.model, args.patch_size = ("vit_ti16", 8) if args.model.startswith("vit") else ("resnet_tiny", 0)
   devices = jax.device_count()
   kind = jax.devices()[0].device_kind
   names = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -142,6 +152,7 @@ def main():
     {
       "benchmark": "gpu_resnet50",
       "model": args.model,
+      "optimizer": timed[names[0]].bench.config.optimizer,
       "devices": devices,
       "device_kind": kind,
       "backend": jax.default_backend(),

@@ -43,6 +43,30 @@ def test_gpu_resnet50_tiny_on_cpu(tmp_path):
   assert list(tmp_path.glob("ipf_L2_map/**/*.xplane.pb")), "a profiler trace was written"
 
 
+def test_gpu_check_of_a_vit_takes_the_vit_recipe():
+  """``--model vit_b16`` builds ViT-B/16 with ``configs/imagenet_vit_s16.py``'s recipe (AdamW, bfloat16 first
+  moment, clipping, mixup) for every variant; nothing compiles here (a run on the CPU: ``--tiny --model vit``)."""
+  import argparse
+
+  import jax
+
+  from benchmarks import gpu_resnet50
+
+  args = argparse.Namespace(model="vit_b16", image_size=224, patch_size=0, dtype="bfloat16", per_device_batch=4)
+  bench = gpu_resnet50.make("ipf L=2 map", args, jax.device_count())
+  c = bench.config
+  assert (c.model, c.optimizer, c.mu_dtype, c.grad_clip_norm, c.mixup) == ("vit_b16", "adamw", "bfloat16", 1.0, 0.2)
+  assert c.num_particles == 2 * jax.device_count() and c.particle_loop == "map"
+  kernel = bench.abstract.params["Transformer"]["encoderblock_0"]["MlpBlock_0"]["Dense_0"]["kernel"]
+  assert kernel.shape == (c.num_particles, 768, 3072)  # ViT-B/16's MLP, per particle
+  assert (
+    gpu_resnet50.make(
+      "ddp", argparse.Namespace(**{**vars(args), "model": "resnet50"}), jax.device_count()
+    ).config.optimizer
+    == "sgd"
+  )
+
+
 def test_memory_benchmark_tiny():
   s = run_module(
     "benchmarks.memory_resnet50",
