@@ -1,9 +1,9 @@
 """Fine-tuning from one checkpoint, model-soup style, on Fashion-MNIST (issue: ViTs, optimizers, fine-tuning, 5b).
 
   python -m benchmarks.fashion_mnist_finetune --data_dir DIR [--pre_epochs 3] [--epochs 2] [--lr_factor 0.1]
-         [--out rows.jsonl] [--resume]
+         [--seed 0] [--out rows.jsonl] [--resume]
 
-One model is pre-trained with DDP (``configs/fashion_mnist.py``, ``--pre_epochs`` at batch 128, seed 0);
+One model is pre-trained with DDP (``configs/fashion_mnist.py``, ``--pre_epochs`` at batch 128, ``--seed``);
 then, at equal compute (the same 8 devices, global batch and steps: ``--epochs`` at batch 128, the
 learning rate ``--lr_factor`` times the config's, no warmup), every method starts from its exported fused
 model (``config.init_from``):
@@ -62,7 +62,7 @@ def pretrain(args, workdir: str) -> tuple[str, float, float]:
   """The DDP model every fine-tune starts from: ``(its workdir, accuracy, NLL)`` (``init_from`` reads the
   workdir's exported fused model)."""
   config = fashion_mnist.get_config()
-  config.update(data_dir=args.data_dir, seed=0, mode="ddp", num_particles=1, num_epochs=float(args.pre_epochs))
+  config.update(data_dir=args.data_dir, seed=args.seed, mode="ddp", num_particles=1, num_epochs=float(args.pre_epochs))
   config.update(checkpoint_every_steps=-1, log_every_steps=100)
   if args.cnn_features:
     config.cnn_features = tuple(int(f) for f in args.cnn_features.split(","))
@@ -76,7 +76,7 @@ def finetune_row(args, method: str, start: str, workdir: str) -> dict:
   base = fashion_mnist.get_config()
   overrides = dict(METHODS[method], init_from=start, base_lr=base.base_lr * args.lr_factor)
   overrides.update(warmup_epochs=0.0, warmup_steps=0)
-  row = study.run_one(args, method, 0, workdir, overrides)
+  row = study.run_one(args, method, args.seed, workdir, overrides)
   fused = row["single_acc"], row["single_nll"]  # run_one's single model: ddp, ipf: the fused one
   if METHODS[method]["mode"] == "ensemble":  # run_one reports the mean member there; the soup is the fused model
     results = json.load(open(os.path.join(workdir, "eval_results.json")))
@@ -108,6 +108,7 @@ def main():
   parser.add_argument("--epochs", type=float, default=2.0)
   parser.add_argument("--lr_factor", type=float, default=0.1)
   parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--seed", type=int, default=0, help="the pre-training's and every fine-tune's")
   parser.add_argument("--steps", type=int, default=0, help="pre-train and fine-tune this many steps (smoke runs)")
   parser.add_argument("--methods", default=",".join(METHODS), help="a comma list of: " + ", ".join(METHODS))
   parser.add_argument("--shift_examples", type=int, default=500)
@@ -118,13 +119,8 @@ def main():
   args = parser.parse_args()
   methods = study.start_study(parser, args, METHODS)
   same = lambda r: (
-    (r["epochs"], r["pre_epochs"], r["lr_factor"], r["steps"])
-    == (
-      args.epochs,
-      args.pre_epochs,
-      args.lr_factor,
-      study.run_steps(args),
-    )
+    (r["epochs"], r["pre_epochs"], r["lr_factor"], r["steps"], r.get("seed", 0))
+    == (args.epochs, args.pre_epochs, args.lr_factor, study.run_steps(args), args.seed)
   )
   rows = [r for r in study.previous_rows(args) if same(r)]  # the rows of this set-up already measured
   done = {r["method"] for r in rows}
@@ -143,7 +139,7 @@ def main():
   rows = [r for r in rows if r["method"] in methods]
   print(
     f"\nFashion-MNIST fine-tuning: {args.pre_epochs:g} epochs of DDP, then {args.epochs:g} epochs at "
-    f"{args.lr_factor:g}x the learning rate, global batch {args.batch}, 8 CPU devices, seed 0\n"
+    f"{args.lr_factor:g}x the learning rate, global batch {args.batch}, 8 CPU devices, seed {args.seed}\n"
   )
   print(table(rows))
   print_summary({"benchmark": "fashion_mnist_finetune", "rows": rows})
