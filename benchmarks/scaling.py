@@ -16,7 +16,9 @@ step's collective bytes without resampling, the bytes one resampling moves when
 rounds that resampling runs, averaged over 20 random replacements), and compile
 time, and the number of collectives of each kind in the compiled step. ``--dd``
 puts each particle group on that many devices (``Dp x Dd`` devices); ``--fsdp``
-shards each particle over its group (``config.fsdp``, DESIGN.md §4). Each device
+shards each particle over its group (``config.fsdp``, DESIGN.md §2). ``--counts``
+compiles the step without resampling and with the rounds exchange only, and
+prints the collectives of each kind and the compile seconds. Each device
 count runs in its own process (the fake device count is fixed when JAX starts).
 ResNets on 32 x 32 images (a CIFAR stem): the parameter and optimizer state is
 the full model's; activations are small.
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -91,16 +92,16 @@ def child(model: str, dp: int, per_device: int, exchange: str, dd: int = 1, fsdp
 
 
 def collective_counts(hlo: str) -> dict:
-  """How many collectives of each kind the compiled HLO holds (a ``switch`` branch's count once)."""
+  """How many collectives of each kind the compiled HLO holds (a ``switch`` branch's count once; a combined
+  collective, whose result is a tuple, once)."""
+  from benchmarks.compression import COLLECTIVE
+
   out = {}
   for line in hlo.splitlines():
-    m = COLLECTIVE_OP.search(line)
+    m = COLLECTIVE.search(line)
     if m:
-      out[m.group(1)] = out.get(m.group(1), 0) + 1
+      out[m.group(2)] = out.get(m.group(2), 0) + 1
   return out
-
-
-COLLECTIVE_OP = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
 
 
 def run_child(model, dp, per_device, exchange, dd=1, fsdp=False):
@@ -124,6 +125,7 @@ def main():
   parser.add_argument("--per_device", default="1,2")
   parser.add_argument("--dd", type=int, default=1, help="devices per particle group (Dp x Dd devices)")
   parser.add_argument("--fsdp", action="store_true", help="shard each particle over its group (config.fsdp)")
+  parser.add_argument("--counts", action="store_true", help="only the collectives and compile time: none, rounds")
   parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
@@ -133,23 +135,27 @@ def main():
   from benchmarks.common import print_summary
 
   results = []
+  exchanges = ("none", "rounds") if args.counts else ("none", "all_to_all", "rounds")
   for model in args.models.split(","):
     for per_device in [int(x) for x in args.per_device.split(",")]:
       for dp in [int(x) for x in (args.dps or DEFAULT_DPS[model]).split(",")]:
-        row = {e: run_child(model, dp, per_device, e, args.dd, args.fsdp) for e in ("none", "all_to_all", "rounds")}
+        row = {e: run_child(model, dp, per_device, e, args.dd, args.fsdp) for e in exchanges}
         results.append(row)
         print(
-          f"compiled {model} Dp={dp} Dd={args.dd} fsdp={args.fsdp} L={per_device}: peak none/all_to_all/rounds = "
+          f"compiled {model} Dp={dp} Dd={args.dd} fsdp={args.fsdp} L={per_device}: peak {'/'.join(exchanges)} = "
           + "/".join(f"{row[e]['peak_mib']:.1f}" for e in row)
           + " MiB",
           flush=True,
         )
+  if args.counts:
+    print_counts(results)
+    return
   print(
     "\n| model | L | Dp | Dd | fsdp | particle MiB | peak MiB, no resampling | ÷, all_to_all | ÷, rounds | "
     "step collectives KiB | one resampling KiB, K=1: all_to_all / rounds | K=P/2: all_to_all / rounds | "
-    "compile s (none / all_to_all / rounds) | compile ÷, rounds | collectives (none / rounds) |"
+    "compile s (none / all_to_all / rounds) | compile ÷, rounds |"
   )
-  print("|" + "---|" * 15)
+  print("|" + "---|" * 14)
   summary = []
   for row in results:
     none, a2a, rnd = row["none"], row["all_to_all"], row["rounds"]
@@ -168,8 +174,7 @@ def main():
       f"{none['peak_mib']:.1f} | "
       f"{a2a['peak_mib'] / none['peak_mib']:.2f} | {rnd['peak_mib'] / none['peak_mib']:.2f} | {kib(base)} | "
       f"{kib(a2a_bytes)} / {kib(r1)} | {kib(a2a_bytes)} / {kib(rh)} | {none['compile_s']:.0f} / "
-      f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} | {rnd['compile_s'] / none['compile_s']:.2f} | "
-      f"{sum(none['collectives'].values())} / {sum(rnd['collectives'].values())} |"
+      f"{a2a['compile_s']:.0f} / {rnd['compile_s']:.0f} | {rnd['compile_s'] / none['compile_s']:.2f} |"
     )
     summary.append(
       {
@@ -191,6 +196,30 @@ def main():
       }
     )
   print_summary({"benchmark": "scaling", "rows": summary})
+
+
+def print_counts(results: list) -> None:
+  """``--counts``: the collectives of each kind in the step without and with the rounds exchange."""
+  from benchmarks.common import print_summary
+
+  kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
+  print(
+    "\n| model | L | Dp | Dd | fsdp | collectives, no resampling: "
+    + " / ".join(kinds)
+    + " | with rounds: "
+    + " / ".join(kinds)
+    + " | compile s (none / rounds) | ÷ |"
+  )
+  print("|" + "---|" * 9)
+  for row in results:
+    none, rnd = row["none"], row["rounds"]
+    count = lambda r: " / ".join(str(r["collectives"].get(k, 0)) for k in kinds)
+    print(
+      f"| {none['model']} | {none['per_device']} | {none['dp']} | {none['dd']} | {'on' if none['fsdp'] else 'off'} | "
+      f"{count(none)} | {count(rnd)} | {none['compile_s']:.0f} / {rnd['compile_s']:.0f} | "
+      f"{rnd['compile_s'] / none['compile_s']:.2f} |"
+    )
+  print_summary({"benchmark": "scaling_counts", "rows": [{e: r[e] for e in ("none", "rounds")} for r in results]})
 
 
 if __name__ == "__main__":
