@@ -85,7 +85,7 @@ def build(
       ``optax.GradientTransformation`` with its own schedule; default the config's (``config.optimizer``,
       ``optim.create_optimizer``).
     exchange: how resampled particles move (``population.exchange.Exchange``, e.g. ``functools.partial(
-      exchange.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
+      population.exchange.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
     tx: the same as ``optimizer=tx``, for a transformation. A transformation brings its own schedule, so the
       step's ``lr`` metric (the config's schedule) is left out unless ``jitter_lr`` needs the schedule.
   """

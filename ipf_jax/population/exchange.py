@@ -24,7 +24,7 @@ EXCHANGES = ("all_to_all", "rounds", "ragged")
 
 
 def choose_exchange(method: str) -> str:
-  """``auto``: ``rounds`` (peak memory 0.94-1.00x a step without resampling at every measured ``Dp`` up to
+  """``auto``: ``rounds`` (peak memory 0.93-1.00x a step without resampling at every measured ``Dp`` up to
   64, where ``all_to_all``'s grows with ``Dp``, to 30x; traffic for the replaced particles only; faster
   when resampling every step on 8 CPU devices: BENCHMARKS.md "Scaling"); otherwise ``method``."""
   return "rounds" if method == "auto" else method
@@ -45,9 +45,9 @@ def exchange_fn(method: str) -> Exchange:
 
 
 def exchange(tree, src, axis_name: str, axis_size: int, method: str = "all_to_all"):
-  """``exchange_fn(method)(tree, src, axis_name, axis_size)``: both are exact copies. ``rounds`` needs
-  ``src`` from ``assign_slots`` (every source keeps its own slot, ``src[src[n]] == src[n]``);
-  ``all_to_all`` takes any ``src``."""
+  """``exchange_fn(method)(tree, src, axis_name, axis_size)``: all three are exact copies. ``rounds`` and
+  ``ragged`` need ``src`` from ``particle_filter.assign_slots`` (every source keeps its own slot,
+  ``src[src[n]] == src[n]``); ``all_to_all`` takes any ``src``."""
   return exchange_fn(method)(tree, src, axis_name, axis_size)
 
 
@@ -166,7 +166,7 @@ def _shifts(axis_name: str, axis_size: int) -> list:
 def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Optional[int] = None):
   """``new[n] = old[src[n]]`` by rounds of one particle: memory and traffic for what moves.
 
-  Needs ``src`` from ``assign_slots`` (every source is a survivor kept in its own slot,
+  Needs ``src`` from ``particle_filter.assign_slots`` (every source is a survivor kept in its own slot,
   ``src[src[n]] == src[n]``): slots that receive are never read afterwards, so the rounds update the
   state in place, in any order.
 
@@ -246,9 +246,10 @@ def ragged_plan(src, me, num_local: int, axis_size: int):
 def exchange_ragged(tree, src, axis_name: str, axis_size: int):
   """``new[n] = old[src[n]]`` with one ``lax.ragged_all_to_all`` per leaf (``ragged_plan``): each moved slot
   receives its particle straight into the leaf, survivors never move, no buffer beyond the leaves, and a
-  program whose size does not depend on ``Dp`` or ``L``. Needs ``src`` from ``assign_slots`` (receiving slots
-  are never sources). For GPUs and TPUs: XLA:CPU does not implement ``ragged-all-to-all`` (jaxlib 0.10-0.12),
-  so it is tested here by its plan against a numpy simulation of the collective and by its lowering, not run.
+  program whose size does not depend on ``Dp`` or ``L``. Needs ``src`` from ``particle_filter.assign_slots``
+  (receiving slots are never sources). For GPUs and TPUs: XLA:CPU does not implement ``ragged-all-to-all``
+  (jaxlib 0.10-0.12), so it is tested here by its plan against a numpy simulation of the collective and by
+  its lowering, not run.
   """
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:

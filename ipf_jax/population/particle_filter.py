@@ -1,4 +1,4 @@
-"""Importance weights, ESS, systematic resampling, slot assignment and jitter.
+"""Importance weights, ESS, adaptive temperature, systematic resampling, slot assignment and jitter.
 
 Pure functions. The weight math works on all ``P`` particles' values, which the
 train step gathers once per step (``gather_all``); ``gather_all``, ``jitter``

@@ -439,7 +439,7 @@ def make_train_step(
   is donated. ``lr_fn(step)``, the learning rate at train step ``step``, is needed for ``spec.jitter_lr``;
   with it the metrics hold ``lr``, the schedule at the optimizer's count (``updates_done``: steps skipped
   whole apply no update, so the count lags ``state.step`` by them). ``exchange`` moves resampled particles
-  (``population.exchange.Exchange``; default ``exchange.exchange_fn(spec.resample_exchange)``; unused
+  (``population.exchange.Exchange``; default ``population.exchange.exchange_fn(spec.resample_exchange)``; unused
   where ``spec.resampling`` is off: ensemble, DDP).
   """
   parts = StepParts(
