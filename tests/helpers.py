@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from ipf_jax.config import builder as build_lib
 from ipf_jax.config import defaults, validation
@@ -14,6 +15,12 @@ from ipf_jax.data import digits
 from ipf_jax.models import create_model
 
 PER_PARTICLE_BATCH = 8
+MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]  # (Dp, Dd) on the 8 fake devices
+
+
+def sharded(mesh, x, spec):
+  """``x`` placed on ``mesh`` as ``spec`` says (what ``shard_map``'s ``in_specs`` require of its inputs)."""
+  return jax.device_put(x, NamedSharding(mesh, spec))
 
 
 def tiny_config(**overrides):

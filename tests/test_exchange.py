@@ -5,18 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.spmd import mesh as mesh_lib
-
-MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]
-
-
-def _sharded(mesh, x, spec):
-  return jax.device_put(x, NamedSharding(mesh, spec))
+from tests.helpers import MESH_SHAPES, sharded
 
 
 def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all", bucket_bytes=None):
@@ -26,8 +20,8 @@ def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all", bucket_bytes=Non
   else:
     exchange = lambda t, s: exchange_lib.exchange(t, s, mesh_lib.PARTICLE, dp, method)
   fn = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(specs, P()), out_specs=specs))
-  placed = jax.tree.map(lambda x: _sharded(mesh, x, P("particle")), tree)
-  return jax.device_get(fn(placed, _sharded(mesh, jnp.asarray(src, jnp.int32), P())))
+  placed = jax.tree.map(lambda x: sharded(mesh, x, P("particle")), tree)
+  return jax.device_get(fn(placed, sharded(mesh, jnp.asarray(src, jnp.int32), P())))
 
 
 @pytest.mark.parametrize("method", ["all_to_all", "rounds"])  # ragged: XLA:CPU has no ragged-all-to-all (below)
@@ -141,7 +135,7 @@ def test_ragged_exchange_lowers_to_one_collective_per_leaf():
       out_specs=specs,
     )
   )
-  placed = jax.tree.map(lambda x: _sharded(mesh, x, P("particle")), tree)
-  text = fn.lower(placed, _sharded(mesh, jnp.arange(8, dtype=jnp.int32), P())).as_text()
+  placed = jax.tree.map(lambda x: sharded(mesh, x, P("particle")), tree)
+  text = fn.lower(placed, sharded(mesh, jnp.arange(8, dtype=jnp.int32), P())).as_text()
   assert text.count("ragged_all_to_all") == 2, text
   assert "collective_permute" not in text and "stablehlo.all_to_all" not in text

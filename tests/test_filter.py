@@ -4,14 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.spmd import mesh as mesh_lib
+from tests.helpers import MESH_SHAPES, sharded
 from tests import reference
-
-MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
 def random_weights(rng, p, num_zero=0):
@@ -63,10 +61,6 @@ def test_assign_slots_edge_cases():
   np.testing.assert_array_equal(pf.assign_slots(jnp.array([2, 2, 3, 3, 3, 5])), [2, 3, 2, 3, 3, 5])
 
 
-def _sharded(mesh, x, spec):
-  return jax.device_put(x, NamedSharding(mesh, spec))
-
-
 @pytest.mark.parametrize("dp,dd", MESH_SHAPES)
 @pytest.mark.parametrize("per_device", [1, 2, 4])
 def test_gathered_weights_normalize_and_ess(dp, dd, per_device):
@@ -84,7 +78,7 @@ def test_gathered_weights_normalize_and_ess(dp, dd, per_device):
     return gathered, n, pf.ess(n)
 
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("particle"), out_specs=(P(), P(), P())))
-  gathered, n, e = jax.device_get(fn(_sharded(mesh, log_w, P("particle"))))
+  gathered, n, e = jax.device_get(fn(sharded(mesh, log_w, P("particle"))))
   np.testing.assert_array_equal(gathered, log_w)
   expect = log_w - reference.logsumexp(log_w)
   np.testing.assert_allclose(n, expect, rtol=1e-5, atol=1e-5)
