@@ -3,6 +3,7 @@
   python -m benchmarks.fsdp_memory                                   # ViT-B/16, ViT-L/16, ResNet-50; Dd 1-8
   python -m benchmarks.fsdp_memory --models vit_b16 --dds 1,4 --optimizers adamw   # one row pair
   python -m benchmarks.fsdp_memory --time                             # step time, fsdp / whole (CPU)
+  python -m benchmarks.fsdp_memory --blocks --models vit_b16 --dds 8   # remat: gathered per block or whole
 
 P = 8 particles, one per group (Dp = 8, L = 1), each group ``Dd`` devices (8 x Dd fake devices, up to 64), so
 a particle is replicated over its group (``fsdp`` off) or sharded over it (on, ``fsdp_min_size_mb`` default).
@@ -15,7 +16,10 @@ HLO (``benchmarks.compression.collective_bytes``): ``all-gather`` and ``reduce-s
 (and SyncBN's and the loss's small ones); ``collective-permute`` is the exchange's rounds, all of them as
 compiled (a resampling runs only the rounds it needs). Each Dd runs in its own process (the fake device
 count is fixed when JAX starts). ``--time``: the step's wall time, whole against fsdp, on 8 fake devices (the
-digits CNN; a ratio inside one process). A benchmark, not a test.
+digits CNN; a ratio inside one process). ``--blocks``: with ``remat`` and fsdp, the step whose model blocks
+gather their own parameters (``fsdp_gather="block"``, ``models.blocks``) against the one that gathers the
+whole particle up front (``"particle"``, the default), 2 particles on ``2 x Dd`` devices: peak and
+temporaries per device under XLA:CPU's defaults and under ``KEEP_REMAT``. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -86,11 +90,47 @@ def timing(args) -> dict:
   return {"seconds": seconds, "fsdp / whole": seconds["fsdp"] / seconds["whole"]}
 
 
-def run_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={8 * dd}")
+# XLA:CPU removes remat's optimization barriers and then merges a block's recomputed gather with its forward one
+# (CSE), and its default scheduler favours concurrency over memory: together they keep every gathered block
+# alive until the backward pass. These flags keep the recomputation (measured: 8 blocks of a toy model, 8.0
+# whole kernels of temporaries with the defaults, 2.1 with these; gathered up front, 8.0 with either).
+KEEP_REMAT = "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_disable_hlo_passes=cse"
+
+
+def blocks_child(model: str, dd: int, args) -> list[dict]:
+  """fsdp with remat on ``2 x dd`` devices (2 particles): the blocks gathered as they run, or the whole particle
+  up front; this process's XLA flags are the caller's."""
+  from benchmarks.common import Bench, memory_mib
+  from benchmarks.compression import collective_bytes
+  from ipf_jax.config import defaults
+
+  rows = []
+  for per_block in (True, False):
+    config = defaults.get_config()
+    config.update(model=model, num_cpu_devices=0, num_particles=2, particle_axis_size=2, fsdp=True, remat=True)
+    config.fsdp_gather = "block" if per_block else "particle"
+    config.update(global_batch_size=2 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS["adamw"])
+    if args.min_size_mb is not None:
+      config.fsdp_min_size_mb = args.min_size_mb
+    t = time.perf_counter()
+    bench = Bench(config, (args.image_size, args.image_size, 3), 1000)
+    compiled = bench.compiled()
+    memory = memory_mib(compiled)
+    gathered = collective_bytes(compiled.as_text()).get("all-gather", 0.0) / 2**20
+    row = dict(model=model, dd=dd, per_block=per_block, compile_s=time.perf_counter() - t, all_gather_mib=gathered)
+    row.update(peak_mib=memory["peak"], temp_mib=memory["temporaries"], state_mib=state_bytes(bench.abstract) / 2**20)
+    rows.append(row)
+  return rows
+
+
+def run_child(model: str, optimizer: str, dd: int, args, keep_remat: bool = False) -> list[dict]:
+  devices = 2 * dd if args.blocks else 8 * dd
+  flags = f"--xla_force_host_platform_device_count={devices}" + (f" {KEEP_REMAT}" if keep_remat else "")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   argv = [sys.executable, "-m", "benchmarks.fsdp_memory", "--child", model, optimizer, str(dd)]
   argv += [f"--image_size={args.image_size}", f"--per_device_batch={args.per_device_batch}", f"--dtype={args.dtype}"]
   argv += [] if args.min_size_mb is None else [f"--min_size_mb={args.min_size_mb}"]
+  argv += ["--blocks"] if args.blocks else []
   r = subprocess.run(argv + ([] if args.compile else ["--no-compile"]), env=env, capture_output=True, text=True)
   if r.returncode:
     raise RuntimeError(r.stderr[-3000:])
@@ -126,6 +166,23 @@ def print_table(rows: list[dict]) -> None:
     print(line)
 
 
+def print_blocks(rows: list[dict]) -> None:
+  """One line per (model, Dd, XLA flags): per block against whole, and their ratio."""
+  print(
+    "\n| model | Dd | XLA:CPU | peak MiB, per block / whole | ratio | temporaries MiB, per block / whole | "
+    "all-gather MiB, per block / whole | state MiB |"
+  )
+  print("|" + "---|" * 8)
+  by = {(r["model"], r["dd"], r["xla"], r["per_block"]): r for r in rows}
+  for model, dd, xla in sorted({(r["model"], r["dd"], r["xla"]) for r in rows}):
+    a, b = by[model, dd, xla, True], by[model, dd, xla, False]
+    print(
+      f"| {model} | {dd} | {xla} | {a['peak_mib']:.0f} / {b['peak_mib']:.0f} | {a['peak_mib'] / b['peak_mib']:.2f} | "
+      f"{a['temp_mib']:.0f} / {b['temp_mib']:.0f} | {a['all_gather_mib']:.0f} / {b['all_gather_mib']:.0f} | "
+      f"{a['state_mib']:.0f} |"
+    )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="vit_b16,vit_l16,resnet50")
@@ -139,6 +196,7 @@ def main():
   parser.add_argument("--time", action="store_true", help="the step time instead (the digits CNN, 8 CPU devices)")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--blocks", action="store_true", help="remat: the blocks gathered as they run, or whole")
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.time:
@@ -152,9 +210,22 @@ def main():
     return
   if args.child:
     model, optimizer, dd = args.child
-    print(json.dumps(child(model, optimizer, int(dd), args)))
+    rows = blocks_child(model, int(dd), args) if args.blocks else child(model, optimizer, int(dd), args)
+    print(json.dumps(rows))
     return
   from benchmarks.common import print_summary
+
+  if args.blocks:
+    rows = []
+    for model in args.models.split(","):
+      for dd in [int(x) for x in args.dds.split(",")]:
+        for keep in (False, True):
+          got = [dict(r, xla="KEEP_REMAT" if keep else "defaults") for r in run_child(model, "adamw", dd, args, keep)]
+          rows += got
+          print(f"{model} Dd={dd}: " + ", ".join(json.dumps(r) for r in got), flush=True)
+    print_blocks(rows)
+    print_summary({"benchmark": "fsdp_blocks", "rows": rows})
+    return
 
   rows = []
   for model in args.models.split(","):

@@ -49,19 +49,22 @@ def test_the_rule_is_big_vision_s(shape, size, min_bytes, expected):
 # MiB (210 bytes) the CNN's largest kernels are sharded and AdamW's bfloat16 first moment of the Dense kernel
 # (160 bytes) follows its float32 parameter (320 bytes) although it is under the threshold.
 FSDP_CASES = [
-  (2, 4, 2, "sgd", 0.0, 0.0),
-  (2, 4, 4, "adamw", 0.3, 0.0002),
-  (4, 2, 4, "sgd", 0.3, 0.0),
-  (1, 8, 2, "adamw", 0.0, 0.0),
+  (2, 4, 2, "sgd", 0.0, 0.0, {}),
+  (2, 4, 4, "adamw", 0.3, 0.0002, {}),
+  (4, 2, 4, "sgd", 0.3, 0.0, {}),
+  (1, 8, 2, "adamw", 0.0, 0.0, {}),
+  (2, 4, 2, "sgd", 0.0, 0.0, dict(model="resnet_tiny", small_inputs=True, remat=True, fsdp_gather="block")),
 ]
 
 
-@pytest.mark.parametrize("dp,dd,p,optimizer,clip,min_mb", FSDP_CASES)
-def test_fsdp_step_matches_reference(dp, dd, p, optimizer, clip, min_mb):
+@pytest.mark.parametrize("dp,dd,p,optimizer,clip,min_mb,model", FSDP_CASES)
+def test_fsdp_step_matches_reference(dp, dd, p, optimizer, clip, min_mb, model):
   """Resampling on most steps with jitter on the copies, the correction, BatchNorm (SyncBN over the
   group), the leaves that the axis divides sharded: the same run as the plain loop. Clipping is shown to
-  act (a particle's gradient norm above ``clip``)."""
+  act (a particle's gradient norm above ``clip``). The last case: a ResNet whose blocks gather their own
+  parameters under remat (``fsdp_gather="block"``)."""
   config = helpers.tiny_config(
+    **model,
     num_particles=p,
     temperature=4.0,
     forgetting=0.8,
@@ -82,21 +85,25 @@ def test_fsdp_step_matches_reference(dp, dd, p, optimizer, clip, min_mb):
   moments = [x for x in jax.tree.leaves(s.state.opt_state) if x.shape in layout]
   assert moments and all(fsdp.data_dim(x.sharding.spec) == layout[x.shape] for x in moments)
   sharded, whole = sharded_leaves(s.state.params)
+  if model:  # the blocks have sharded leaves to gather
+    assert sharded_leaves(s.state.params["stage2_block1"])[0] >= 2
   assert sharded >= 2 and (whole >= 1 or dd == 2), (sharded, whole)  # Dd = 2 divides every leaf of the CNN
   if p > 1:
     assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
   assert_same_run(s, ref, spmd, refr, atol=4e-5)
 
 
-def small_vit_task():
-  model = vit.ViT(num_classes=10, patch_size=4, width=16, depth=1, mlp_dim=32, num_heads=2, dropout=0.1)
+def small_vit_task(depth=1, remat=False):
+  model = vit.ViT(10, patch_size=4, width=16, depth=depth, mlp_dim=32, num_heads=2, dropout=0.1, remat=remat)
   return ipf_jax.classification(model, rngs=("dropout",))
 
 
-def test_fsdp_vit_without_batchnorm_matches_the_replicated_step():
-  """No BatchNorm: a one-block ViT with dropout, AdamW and clipping, 4 particles on (2, 4), resampling with
-  jitter every other step: three steps of the fsdp step and of the replicated one from the same state give
-  the same particles, weights and ancestors."""
+@pytest.mark.parametrize("gather,depth,remat", [("particle", 1, False), ("block", 2, True)])
+def test_fsdp_vit_without_batchnorm_matches_the_replicated_step(gather, depth, remat):
+  """No BatchNorm: a ViT with dropout, AdamW and clipping, 4 particles on (2, 4), resampling with jitter every
+  other step: three steps of the fsdp step and of the replicated one from the same state give the same
+  particles, weights and ancestors; the particle gathered whole, or each block gathering its own under remat
+  (``fsdp_gather="block"``)."""
   runs = {}
   for on in (False, True):
     config = helpers.tiny_config(
@@ -110,8 +117,9 @@ def test_fsdp_vit_without_batchnorm_matches_the_replicated_step():
       grad_clip_norm=0.5,
       fsdp=on,
       fsdp_min_size_mb=0.0,
+      fsdp_gather=gather if on else "particle",
     )
-    s = helpers.Setup(config, 2, 4, task=small_vit_task())
+    s = helpers.Setup(config, 2, 4, task=small_vit_task(depth, remat))
     if on:
       s.state = jax.device_put(runs[False][1], jax.tree.map(lambda x: x.sharding, s.state))
       assert sharded_leaves(s.state.params)[0] >= 6
@@ -129,6 +137,45 @@ def test_fsdp_vit_without_batchnorm_matches_the_replicated_step():
     np.testing.assert_array_equal(m["ancestors"], r["ancestors"])
   helpers.assert_close(fs.host_state().params, runs[False][0].host_state().params)
   helpers.assert_close(fs.host_state().opt_state, runs[False][0].host_state().opt_state)
+
+
+def gathers_in_and_out_of_remat(jaxpr, inside=False, counts=None):
+  """``{"in": n, "out": m}``: the ``all_gather``s of a jaxpr inside a rematerialised (``remat``) region, and the
+  others."""
+  counts = counts if counts is not None else {"in": 0, "out": 0}
+  for e in jaxpr.eqns:
+    if e.primitive.name == "all_gather":
+      counts["in" if inside else "out"] += 1
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+        if hasattr(sub, "eqns"):
+          gathers_in_and_out_of_remat(sub, inside or e.primitive.name.startswith("remat"), counts)
+  return counts
+
+
+def test_block_gathers_are_recomputed_under_remat():
+  """``fsdp_gather="block"``: each sharded leaf of the ViT's blocks is gathered again inside the rematerialised
+  backward pass (so no block need stay whole between the forward and the backward pass); ``"particle"``
+  gathers nothing there."""
+  found = {}
+  for gather in ("particle", "block"):
+    config = helpers.tiny_config(
+      num_particles=4, optimizer="adamw", base_lr=3e-3, fsdp=True, fsdp_min_size_mb=0.0, fsdp_gather=gather
+    )
+    s = helpers.Setup(config, 2, 4, task=small_vit_task(depth=2, remat=True))
+    images, labels = helpers.particle_batches(4, 1)[0]
+    found[gather] = gathers_in_and_out_of_remat(jax.make_jaxpr(s.train_step)(s.state, s.put(images, labels)).jaxpr)
+  flat = jax.tree_util.tree_flatten_with_path(s.state.params)[0]
+  in_blocks = [
+    x for path, x in flat if "encoderblock_" in jax.tree_util.keystr(path) and fsdp.data_dim(x.sharding.spec) >= 0
+  ]
+  assert len(in_blocks) >= 20
+  assert found["particle"]["in"] == 0
+  # every one but each block's last bias (the MLP's output bias: no gradient reads its value, so the backward
+  # pass does not recompute its gather)
+  assert found["block"]["in"] == len(in_blocks) - 2, (found, len(in_blocks))
+  assert found["block"]["out"] == found["particle"]["out"]  # the forward pass gathers each leaf once either way
 
 
 def test_fsdp_fusion_and_evaluation_equal_the_replicated_ones():
@@ -217,10 +264,12 @@ def test_vit_b16_state_per_device_at_dd_8_is_an_eighth():
     (dict(dtype="float16"), r"config.fsdp: with dtype='float16' is not supported"),
     (dict(compress_correction=True), r"config.fsdp: with compress_correction=True"),
     (dict(fsdp_min_size_mb=-1.0), r"config.fsdp_min_size_mb: must be >= 0"),
+    (dict(fsdp_gather="layer"), r"config.fsdp_gather: .*'layer'.*particle.*block"),
+    (dict(fsdp=False, fsdp_gather="block"), r"config.fsdp_gather: ='block' .* set fsdp=True"),
   ],
 )
 def test_fsdp_errors_name_the_field(overrides, match):
-  config = helpers.tiny_config(fsdp=True, **overrides)
+  config = helpers.tiny_config(**{"fsdp": True, **overrides})
   with pytest.raises(validation.ConfigError, match=match):
     validation.validate(config, jax.device_count())
 

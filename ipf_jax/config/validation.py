@@ -82,6 +82,7 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
     shared_init=shared,
     particle_loop=resolve_particle_loop(config.particle_loop),
     grad_accum_steps=int(config.grad_accum_steps),
+    fsdp_gather=config.fsdp_gather,
   )
   if config.mode != "ipf" or config.num_particles == 1:
     return ParticleSpec(**common)
@@ -138,6 +139,13 @@ def _validate_fsdp(config: ml_collections.ConfigDict) -> None:
     config.fsdp_min_size_mb >= 0,
     "fsdp_min_size_mb",
     f"must be >= 0 MiB (0: shard every leaf that the data devices divide; default 1), got {config.fsdp_min_size_mb}",
+  )
+  _check_choice(config, "fsdp_gather", ("particle", "block"))
+  _check(
+    config.fsdp or config.fsdp_gather == "particle",
+    "fsdp_gather",
+    f"={config.fsdp_gather!r} chooses how a sharded particle is gathered, and fsdp=False shards none; set "
+    "fsdp=True or leave fsdp_gather='particle'",
   )
   if not config.fsdp:
     return

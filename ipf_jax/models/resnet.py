@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from ipf_jax.models import blocks
+
 ModuleDef = Any
 
 
@@ -59,6 +61,8 @@ class ResNet(nn.Module):
   (gradient checkpointing): less memory, about one extra forward of compute.
   """
 
+  BLOCKS = r"stage\d+_block\d+"  # the blocks that gather their own parameters (models.blocks)
+
   stage_sizes: Sequence[int]
   block_cls: ModuleDef
   num_classes: int
@@ -81,7 +85,6 @@ class ResNet(nn.Module):
       dtype=self.dtype,
       axis_name=self.bn_axis_name,
     )
-    block_cls = nn.remat(self.block_cls) if self.remat else self.block_cls
     x = x.astype(self.dtype)
     if self.small_inputs:
       x = conv(self.num_filters, (3, 3), name="conv_init")(x)
@@ -93,14 +96,9 @@ class ResNet(nn.Module):
     for i, block_size in enumerate(self.stage_sizes):
       for j in range(block_size):
         strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-        x = block_cls(
-          self.num_filters * 2**i,
-          strides=strides,
-          conv=conv,
-          norm=norm,
-          act=self.act,
-          name=f"stage{i + 1}_block{j + 1}",
-        )(x)
+        name = f"stage{i + 1}_block{j + 1}"
+        block = blocks.make(self, self.block_cls, name, self.remat)
+        x = block(self.num_filters * 2**i, strides=strides, conv=conv, norm=norm, act=self.act, name=name)(x)
     x = jnp.mean(x, axis=(1, 2))
     x = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
     return x.astype(jnp.float32)

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipf_jax.models import blocks
+
 # name: (width, depth, mlp_dim, heads)
 SIZES = {
   "ti": (192, 12, 768, 3),
@@ -115,18 +117,19 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, x, deterministic: bool = True):
-    block = nn.remat(Encoder1DBlock, static_argnums=(2,)) if self.remat else Encoder1DBlock
     for i in range(self.depth):
       rate = self.stochastic_depth * i / max(self.depth - 1, 1)
-      x = block(self.mlp_dim, self.num_heads, self.dropout, rate, self.dtype, name=f"encoderblock_{i}")(
-        x, deterministic
-      )
+      name = f"encoderblock_{i}"
+      block = blocks.make(self, Encoder1DBlock, name, self.remat, static_argnums=(2,))
+      x = block(self.mlp_dim, self.num_heads, self.dropout, rate, self.dtype, name=name)(x, deterministic)
     return nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
 
 
 class ViT(nn.Module):
   """``ViT(num_classes, patch_size=16, width=768, depth=12, mlp_dim=3072, num_heads=12)``; ``__call__(images,
   train)`` gives ``[N, num_classes]`` logits (float32)."""
+
+  BLOCKS = r"Transformer/encoderblock_\d+"  # the blocks that gather their own parameters (models.blocks)
 
   num_classes: int
   patch_size: int = 16

@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import re
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import traverse_util
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -148,6 +150,24 @@ def gather(tree, dims, invariant: bool = False):
     return x if d == REPLICATED else lax.all_gather(x, DATA, axis=d - 1, tiled=True, to=to)
 
   return jax.tree.map(one, tree, dims)
+
+
+def gather_outside(params, dims, pattern: str):
+  """``(params, gather_block)`` for a model whose blocks gather their own parameters (``models.blocks``;
+  ``pattern``: the regex of their module paths, ``Task.blocks``): the particle's leaves outside those blocks
+  gathered (``gather``), the blocks' left as a device's share, and ``gather_block(path, block_params)``, the
+  whole parameters of the block at ``path`` (leaves ``dims`` does not hold, the shared ones, are whole)."""
+  flat = traverse_util.flatten_dict(dims, sep="/")
+  inside = re.compile(rf"(?:{pattern})/")
+  outside = {k: REPLICATED if inside.match(k) else d for k, d in flat.items()}
+
+  def gather_block(path, block_params):
+    prefix = "/".join(path) + "/"
+    names = traverse_util.flatten_dict(block_params, sep="/")
+    block_dims = {k: flat.get(prefix + k, REPLICATED) for k in names}
+    return gather(block_params, traverse_util.unflatten_dict(block_dims, sep="/"))
+
+  return gather(params, traverse_util.unflatten_dict(outside, sep="/")), gather_block
 
 
 def sum_over_blocks(values, dims):

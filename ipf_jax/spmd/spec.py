@@ -29,4 +29,5 @@ class ParticleSpec:
   ess_target: float = 0.0
   jitter_lr: float = 0.0
   grad_accum_steps: int = 1
+  fsdp_gather: str = "particle"  # particle | block (models.blocks: each block gathers its own)
   islands: int = 1

@@ -18,6 +18,7 @@ of a device (``over_particles``); collectives name ``"particle"`` or ``"data"``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -26,6 +27,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ipf_jax.models import blocks
 from ipf_jax.population import compression, correction
 from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import particle_filter as pf
@@ -79,12 +81,9 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
 
   def loss_fn(params, shared, batch_stats, batch, keys):
     model_key, augment_key = keys
-    params = fsdp.gather(params, dims)
     if task.augment is not None:  # mixup: the particle's examples and targets, mixed
       batch = task.augment(batch, augment_key)
-    outputs, new_stats = task.apply(
-      {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, train=True, key=model_key
-    )
+    outputs, new_stats = apply_particle(task, spec, params, shared, batch_stats, batch, model_key, dims)
     return lax.pmean(task.loss(outputs, batch).mean(), DATA), new_stats
 
   grad_fn = scaling.value_and_grad(loss_fn, argnums=(0, 1))
@@ -123,6 +122,20 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   return Gradients(loss, grads, shared_grads, batch_stats, alive, scaling.vote(proposed, loss, alive), score)
 
 
+def apply_particle(task: Task, spec: ParticleSpec, params, shared, batch_stats, batch: dict, key, dims=None):
+  """One particle's ``task.apply`` in train mode: ``(outputs, batch_stats)``. ``config.fsdp``: its leaves are a
+  device's blocks (``dims``), gathered here; with ``fsdp_gather="block"`` except those of the model's blocks
+  (``task.blocks``), which each block gathers as it runs (``models.blocks``: under ``remat`` one block at a
+  time)."""
+  if spec.fsdp_gather == "block" and task.blocks and fsdp.is_sharded(dims):
+    params, gather_block = fsdp.gather_outside(params, dims, task.blocks)
+    gathering = blocks.gathering(gather_block)
+  else:
+    params, gathering = fsdp.gather(params, dims), contextlib.nullcontext()
+  with gathering:
+    return task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, True, key)
+
+
 def micro_batches(batch: dict, k: int) -> dict:
   """``[L, b, ...]`` leaves to ``[k, L, b / k, ...]``: micro-batch ``m`` holds examples ``m, m + k, ...`` of
   every particle's part of the shard, so a particle's micro-batches do not depend on the mesh."""
@@ -159,10 +172,7 @@ def common_score(task: Task, spec: ParticleSpec, state: ParticleState, shared, b
   common = jax.tree.map(lambda x: pf.gather_all(x, PARTICLE), mine)  # [P k, ...], the same on every particle
 
   def score_fn(params, shared, batch_stats, key):
-    params = fsdp.gather(params, dims)
-    outputs, _ = task.apply(
-      {"params": sharing.merge(params, shared), "batch_stats": batch_stats}, common, train=True, key=key
-    )
+    outputs, _ = apply_particle(task, spec, params, shared, batch_stats, common, key, dims)
     return lax.pmean(task.loss(outputs, common).mean(), DATA)
 
   run = over_particles(score_fn, spec.particle_loop, (0, None, 0, 0 if task.rngs else None))

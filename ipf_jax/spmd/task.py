@@ -56,6 +56,9 @@ class Task:
     diversity: ``(predictive [L, b, ...], alive [L], mask [b], total) -> dict of additive sums`` of the
       population's diversity (``total`` sums an array over all particles), or ``None``.
     finalize_diversity: host ``sums -> {metric: value}`` for ``diversity``.
+    blocks: a regex of the ``/``-joined module paths of the model's blocks that gather their own parameters
+      (``ipf_jax.models.blocks``; with ``config.fsdp`` each block gathers its share when it runs, under
+      ``remat`` never the whole particle at once); default the model's ``BLOCKS`` attribute, else none.
     augment: ``(batch, key) -> batch``, a train-time transform of one particle's shard of the batch inside
       the train step, before the model and the loss (``mix``: mixup), with a key per particle and step; or
       ``None``. It may use collectives over ``"data"`` (the particle's other shards).
@@ -72,8 +75,11 @@ class Task:
   diversity: Optional[Callable] = None
   finalize_diversity: Optional[Callable[[dict], dict]] = None
   augment: Optional[Callable[[dict, jax.Array], dict]] = None
+  blocks: Optional[str] = None
 
   def __post_init__(self):
+    if self.blocks is None:
+      object.__setattr__(self, "blocks", getattr(self.model, "BLOCKS", ""))
     if nnx_bridge.is_nnx(self.model):  # frozen: the adapted model replaces the one given, once
       object.__setattr__(self, "model", nnx_bridge.NNXModel(self.model))
       object.__setattr__(self, "rngs", self.rngs or self.model.streams)
