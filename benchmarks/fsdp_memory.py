@@ -19,7 +19,8 @@ count is fixed when JAX starts). ``--time``: the step's wall time, whole against
 digits CNN; a ratio inside one process). ``--blocks``: with ``remat`` and fsdp, the step whose model blocks
 gather their own parameters (``fsdp_gather="block"``, ``models.blocks``) against the one that gathers the
 whole particle up front (``"particle"``, the default), 2 particles on ``2 x Dd`` devices: peak and
-temporaries per device under XLA:CPU's defaults and under ``KEEP_REMAT``. A benchmark, not a test.
+temporaries per device under XLA:CPU's defaults and under ``KEEP_REMAT`` (``--no-resampling``: the step
+without its resampling branch). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def blocks_child(model: str, dd: int, args) -> list[dict]:
     if args.min_size_mb is not None:
       config.fsdp_min_size_mb = args.min_size_mb
     t = time.perf_counter()
-    bench = Bench(config, (args.image_size, args.image_size, 3), 1000)
+    changes = None if args.resampling else {"resampling": False}
+    bench = Bench(config, (args.image_size, args.image_size, 3), 1000, spec_changes=changes)
     compiled = bench.compiled()
     memory = memory_mib(compiled)
     gathered = collective_bytes(compiled.as_text()).get("all-gather", 0.0) / 2**20
@@ -130,7 +132,7 @@ def run_child(model: str, optimizer: str, dd: int, args, keep_remat: bool = Fals
   argv = [sys.executable, "-m", "benchmarks.fsdp_memory", "--child", model, optimizer, str(dd)]
   argv += [f"--image_size={args.image_size}", f"--per_device_batch={args.per_device_batch}", f"--dtype={args.dtype}"]
   argv += [] if args.min_size_mb is None else [f"--min_size_mb={args.min_size_mb}"]
-  argv += ["--blocks"] if args.blocks else []
+  argv += ["--blocks", f"--{'' if args.resampling else 'no-'}resampling"] if args.blocks else []
   r = subprocess.run(argv + ([] if args.compile else ["--no-compile"]), env=env, capture_output=True, text=True)
   if r.returncode:
     raise RuntimeError(r.stderr[-3000:])
@@ -197,6 +199,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--blocks", action="store_true", help="remat: the blocks gathered as they run, or whole")
+  parser.add_argument(
+    "--resampling", action=argparse.BooleanOptionalAction, default=True, help="--blocks: the step's resampling branch"
+  )
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.time:

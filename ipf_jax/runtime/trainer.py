@@ -114,7 +114,11 @@ class _Run:
       g // p,
     )
     if self.config.fsdp:
-      log.info("%s", fsdp.summary(self.parts.abstract_state))
+      per_block = self.config.fsdp_gather == "block"
+      how = "each block gathers its own" if per_block else "gathered whole for each forward pass"
+      if per_block and not self.parts.task.blocks:
+        how = "gathered whole: fsdp_gather='block', but the model declares no blocks (Task.blocks)"
+      log.info("%s; %s", fsdp.summary(self.parts.abstract_state), how)
 
   def state_signature(self, config: ml_collections.ConfigDict) -> compatibility.Signature:
     """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task
