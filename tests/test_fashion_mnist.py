@@ -85,6 +85,13 @@ def test_no_files_and_no_dataset_is_one_error_naming_both_ways(tmp_path):
   assert "python -m ipf_jax.data.prepare fashion_mnist" in str(e.value) and "tfds build" in str(e.value)
 
 
+def test_the_builder_is_found_from_python_too(tmp_path):
+  """A library user calls ``prepare_fashion_mnist`` from Python, where TFDS locates the builder's module through
+  ``importlib_resources`` (``python -m ipf_jax.data.prepare`` runs it as ``__main__`` and never asks)."""
+  path = prepare._local_builder(str(tmp_path), {}).code_path
+  assert str(path).endswith(os.path.join("ipf_jax", "data", "prepare.py")), path
+
+
 def test_damaged_file_is_named_and_nothing_is_written(source, tmp_path):
   damaged = tmp_path / "src"
   shutil.copytree(source, damaged)
