@@ -178,5 +178,5 @@ def _devices(config: ml_collections.ConfigDict) -> None:
                                        # leaves the zoo models' blocks (ViT encoder blocks, ResNet blocks:
                                        # Task.blocks) to gather their own as they run, so that under remat a
                                        # device holds one block whole, not the particle. Not shown to lower the
-                                       # peak on XLA:CPU (BENCHMARKS.md "FSDP"), and it gathers twice under remat
+                                       # peak on XLA:CPU (BENCHMARKS.md "Gathering block by block under remat")
   config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)

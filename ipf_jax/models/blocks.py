@@ -6,8 +6,9 @@ The train step gathers a sharded particle's leaves outside its blocks up front a
 (``gathering``) that each block built by ``make`` calls on its own parameters as it runs. Under ``remat`` the
 gather is part of the recomputed block: the forward pass gathers one block, uses it and drops it, the backward
 pass gathers it again to recompute the block, and the gather's transpose (a reduce-scatter) hands back that
-block's gradient as a device's share at once. So a device never holds more than one block's whole
-parameters and gradient besides the leaves outside blocks. Without ``remat`` each block's gathered
+block's gradient as a device's share at once: the program asks for no more than one block whole at a time
+in the train step (evaluation and fusion gather whole particles); whether a compiler keeps it so is
+measured in BENCHMARKS.md "Gathering block by block under remat" (XLA:CPU: not). Without ``remat`` each block's gathered
 parameters are kept for the backward pass, as the whole particle's are when the step gathers it up front.
 
 A model declares its blocks to the step by ``BLOCKS``, a regex of their ``/``-joined module paths (the ViT's
