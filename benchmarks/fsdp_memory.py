@@ -98,7 +98,7 @@ def timing(args) -> dict:
 KEEP_REMAT = "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_disable_hlo_passes=cse"
 
 
-def blocks_child(model: str, dd: int, args) -> list[dict]:
+def blocks_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
   """fsdp with remat on ``2 x dd`` devices (2 particles): the blocks gathered as they run, or the whole particle
   up front; this process's XLA flags are the caller's."""
   from benchmarks.common import Bench, memory_mib
@@ -110,7 +110,7 @@ def blocks_child(model: str, dd: int, args) -> list[dict]:
     config = defaults.get_config()
     config.update(model=model, num_cpu_devices=0, num_particles=2, particle_axis_size=2, fsdp=True, remat=True)
     config.fsdp_gather = "block" if per_block else "particle"
-    config.update(global_batch_size=2 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS["adamw"])
+    config.update(global_batch_size=2 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS[optimizer])
     if args.min_size_mb is not None:
       config.fsdp_min_size_mb = args.min_size_mb
     t = time.perf_counter()
@@ -119,7 +119,8 @@ def blocks_child(model: str, dd: int, args) -> list[dict]:
     compiled = bench.compiled()
     memory = memory_mib(compiled)
     gathered = collective_bytes(compiled.as_text()).get("all-gather", 0.0) / 2**20
-    row = dict(model=model, dd=dd, per_block=per_block, compile_s=time.perf_counter() - t, all_gather_mib=gathered)
+    row = dict(model=model, optimizer=optimizer, dd=dd, per_block=per_block, compile_s=time.perf_counter() - t)
+    row["all_gather_mib"] = gathered
     row.update(peak_mib=memory["peak"], temp_mib=memory["temporaries"], state_mib=state_bytes(bench.abstract) / 2**20)
     rows.append(row)
   return rows
@@ -169,17 +170,18 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_blocks(rows: list[dict]) -> None:
-  """One line per (model, Dd, XLA flags): per block against whole, and their ratio."""
+  """One line per (model, optimizer, Dd, XLA flags): per block against whole, and their ratio."""
   print(
-    "\n| model | Dd | XLA:CPU | peak MiB, per block / whole | ratio | temporaries MiB, per block / whole | "
+    "\n| model | optimizer | Dd | XLA:CPU | peak MiB, per block / whole | ratio | temporaries MiB, per block / whole | "
     "all-gather MiB, per block / whole | state MiB |"
   )
-  print("|" + "---|" * 8)
-  by = {(r["model"], r["dd"], r["xla"], r["per_block"]): r for r in rows}
-  for model, dd, xla in sorted({(r["model"], r["dd"], r["xla"]) for r in rows}):
-    a, b = by[model, dd, xla, True], by[model, dd, xla, False]
+  print("|" + "---|" * 9)
+  by = {(r["model"], r["optimizer"], r["dd"], r["xla"], r["per_block"]): r for r in rows}
+  for model, optimizer, dd, xla in sorted({(r["model"], r["optimizer"], r["dd"], r["xla"]) for r in rows}):
+    a, b = by[model, optimizer, dd, xla, True], by[model, optimizer, dd, xla, False]
     print(
-      f"| {model} | {dd} | {xla} | {a['peak_mib']:.0f} / {b['peak_mib']:.0f} | {a['peak_mib'] / b['peak_mib']:.2f} | "
+      f"| {model} | {optimizer} | {dd} | {xla} | {a['peak_mib']:.0f} / {b['peak_mib']:.0f} | "
+      f"{a['peak_mib'] / b['peak_mib']:.2f} | "
       f"{a['temp_mib']:.0f} / {b['temp_mib']:.0f} | {a['all_gather_mib']:.0f} / {b['all_gather_mib']:.0f} | "
       f"{a['state_mib']:.0f} |"
     )
@@ -188,7 +190,7 @@ def print_blocks(rows: list[dict]) -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="vit_b16,vit_l16,resnet50")
-  parser.add_argument("--optimizers", default="adamw,sgd")
+  parser.add_argument("--optimizers", default=None, help="default adamw,sgd; with --blocks adamw")
   parser.add_argument("--dds", default="1,2,4,8")
   parser.add_argument("--image_size", type=int, default=224)
   parser.add_argument("--per_device_batch", type=int, default=8)
@@ -204,6 +206,9 @@ def main():
   )
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.blocks and not args.compile:
+    parser.error("--blocks compares the compiled step's peaks: drop --no-compile")
+  args.optimizers = args.optimizers or ("adamw" if args.blocks else "adamw,sgd")
   if args.time:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
     from benchmarks.common import print_summary
@@ -215,7 +220,7 @@ def main():
     return
   if args.child:
     model, optimizer, dd = args.child
-    rows = blocks_child(model, int(dd), args) if args.blocks else child(model, optimizer, int(dd), args)
+    rows = (blocks_child if args.blocks else child)(model, optimizer, int(dd), args)
     print(json.dumps(rows))
     return
   from benchmarks.common import print_summary
@@ -223,11 +228,13 @@ def main():
   if args.blocks:
     rows = []
     for model in args.models.split(","):
-      for dd in [int(x) for x in args.dds.split(",")]:
-        for keep in (False, True):
-          got = [dict(r, xla="KEEP_REMAT" if keep else "defaults") for r in run_child(model, "adamw", dd, args, keep)]
-          rows += got
-          print(f"{model} Dd={dd}: " + ", ".join(json.dumps(r) for r in got), flush=True)
+      for optimizer in args.optimizers.split(","):
+        for dd in [int(x) for x in args.dds.split(",")]:
+          for keep in (False, True):
+            got = run_child(model, optimizer, dd, args, keep)
+            got = [dict(r, xla="KEEP_REMAT" if keep else "defaults") for r in got]
+            rows += got
+            print(f"{model} {optimizer} Dd={dd}: " + ", ".join(json.dumps(r) for r in got), flush=True)
     print_blocks(rows)
     print_summary({"benchmark": "fsdp_blocks", "rows": rows})
     return

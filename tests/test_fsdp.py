@@ -6,6 +6,8 @@ without BatchNorm (a ViT with dropout) against the replicated step; fusion and e
 across layouts; the per-device bytes of ViT-B/16's state; the errors.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,9 @@ from ipf_jax.models import vit
 from ipf_jax.runtime import checkpoint as checkpoint_lib
 from ipf_jax.spmd import fsdp
 from ipf_jax.spmd import state as state_lib
+from ipf_jax.spmd import step as step_lib
 from ipf_jax.spmd.mesh import DATA
+from ipf_jax.spmd.spec import ParticleSpec
 from tests import helpers
 from tests.test_step import assert_same_run, run_both
 
@@ -154,27 +158,34 @@ def gathers_in_and_out_of_remat(jaxpr, inside=False, counts=None):
   return counts
 
 
-def test_block_gathers_are_recomputed_under_remat():
-  """``fsdp_gather="block"``: each sharded leaf of the ViT's blocks is gathered again inside the rematerialised
-  backward pass (so no block need stay whole between the forward and the backward pass); ``"particle"``
-  gathers nothing there."""
+# model: (config overrides, task, what the blocks' leaf paths hold, how many of their sharded leaves the
+# backward pass does not gather again: the ViT's two blocks' MLP output biases, whose value no gradient reads
+# inside the block; every leaf of the ResNet's blocks, BatchNorm's included, is read)
+BLOCK_MODELS = {
+  "vit": ({}, lambda: small_vit_task(depth=2, remat=True), "encoderblock_", 2),
+  "resnet": (dict(model="resnet_tiny", small_inputs=True, remat=True), lambda: None, "_block", 0),
+}
+
+
+@pytest.mark.parametrize("model", sorted(BLOCK_MODELS))
+def test_block_gathers_are_recomputed_under_remat(model):
+  """``fsdp_gather="block"``: each sharded leaf of the model's blocks is gathered again inside the
+  rematerialised backward pass (so no block need stay whole between the forward and the backward pass);
+  ``"particle"`` gathers nothing there. The ViT's blocks and the ResNet's (BatchNorm)."""
+  overrides, task, marker, unread = BLOCK_MODELS[model]
   found = {}
   for gather in ("particle", "block"):
     config = helpers.tiny_config(
-      num_particles=4, optimizer="adamw", base_lr=3e-3, fsdp=True, fsdp_min_size_mb=0.0, fsdp_gather=gather
+      **overrides, num_particles=4, optimizer="adamw", base_lr=3e-3, fsdp=True, fsdp_min_size_mb=0.0, fsdp_gather=gather
     )
-    s = helpers.Setup(config, 2, 4, task=small_vit_task(depth=2, remat=True))
+    s = helpers.Setup(config, 2, 4, task=task())
     images, labels = helpers.particle_batches(4, 1)[0]
     found[gather] = gathers_in_and_out_of_remat(jax.make_jaxpr(s.train_step)(s.state, s.put(images, labels)).jaxpr)
   flat = jax.tree_util.tree_flatten_with_path(s.state.params)[0]
-  in_blocks = [
-    x for path, x in flat if "encoderblock_" in jax.tree_util.keystr(path) and fsdp.data_dim(x.sharding.spec) >= 0
-  ]
-  assert len(in_blocks) >= 20
+  in_blocks = [x for path, x in flat if marker in jax.tree_util.keystr(path) and fsdp.data_dim(x.sharding.spec) >= 0]
+  assert len(in_blocks) >= 10
   assert found["particle"]["in"] == 0
-  # every one but each block's last bias (the MLP's output bias: no gradient reads its value, so the backward
-  # pass does not recompute its gather)
-  assert found["block"]["in"] == len(in_blocks) - 2, (found, len(in_blocks))
+  assert found["block"]["in"] == len(in_blocks) - unread, (found, len(in_blocks))
   assert found["block"]["out"] == found["particle"]["out"]  # the forward pass gathers each leaf once either way
 
 
@@ -285,3 +296,44 @@ def test_a_clip_that_sees_part_of_the_particle_is_refused():
 def test_the_particle_axis_is_not_data_s():
   with pytest.raises(ValueError, match=r"its first dimension is the particle axis"):
     fsdp.data_dim(jax.sharding.PartitionSpec(("particle", DATA)))
+
+
+@pytest.mark.parametrize(
+  "gather,blocks,dims,how",
+  [
+    ("block", r"b\d", {"b0": {"k": 1}}, "each block gathers its own"),
+    ("block", "", {"b0": {"k": 1}}, "gathered whole: fsdp_gather='block', but the model declares no blocks"),
+    ("block", r"b\d", {"b0": {"k": -1}}, "gathered whole: fsdp_gather='block', but no leaf is sharded"),
+    ("particle", r"b\d", {"b0": {"k": 1}}, "gathered whole for each forward pass"),
+  ],
+)
+def test_the_log_says_what_the_step_does(gather, blocks, dims, how):
+  """The run's log line on the gather (``step.how_gathered``) and ``apply_particle``'s choice
+  (``step.gathers_per_block``) are one predicate."""
+  spec = ParticleSpec(num_particles=2, fsdp_gather=gather)
+  task = dataclasses.replace(small_vit_task(), blocks=blocks)
+  assert step_lib.how_gathered(spec, task, dims).startswith(how)
+  assert step_lib.gathers_per_block(spec, task, dims) == (how == "each block gathers its own")
+
+
+@pytest.mark.parametrize(
+  "blocks,remat,match",
+  [
+    # the second block is built by blocks.make but not named: it would be gathered twice
+    (r"Transformer/encoderblock_0", True, r"the block 'Transformer/encoderblock_1' .* not matched by Task.blocks"),
+    # a module not built by blocks.make is named: its leaves would stay a device's shards
+    (r"Transformer/encoderblock_\d+|embedding", True, r"matches sharded .* no block .* \('embedding/kernel'\)"),
+    # gathered block by block, but nothing recomputed: the second gather would buy nothing
+    (r"Transformer/encoderblock_\d+", False, r"2 are not \(first: 'Transformer/encoderblock_0'\); set remat=True"),
+  ],
+)
+def test_blocks_that_do_not_fit_the_model_are_named(blocks, remat, match):
+  """``fsdp_gather="block"`` with a ``Task.blocks`` that does not describe the blocks the model builds with
+  ``models.blocks.make``, or blocks not recomputed: one error at trace time naming the field, not Flax's
+  shape error or a silently sharded leaf."""
+  config = helpers.tiny_config(num_particles=4, fsdp=True, fsdp_min_size_mb=0.0, fsdp_gather="block")
+  task = dataclasses.replace(small_vit_task(depth=2, remat=remat), blocks=blocks)
+  s = helpers.Setup(config, 2, 4, task=task)
+  images, labels = helpers.particle_batches(4, 1)[0]
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(s.train_step, s.state, s.put(images, labels))

@@ -186,6 +186,7 @@ def test_fsdp_on_two_hosts_equals_whole_particles_on_one(runs, tmp_path):
   out = helpers.run_processes(argv + ["--config.fsdp=True", "--config.fsdp_min_size_mb=0"], 2)[0]
   assert "mesh (particle, data)=(2, 2) on 4 cpu device(s), 2 process(es)" in out
   assert re.search(r"fsdp: [1-9]\d* of \d+ parameter and optimizer-state leaves \(\d+% of the bytes\) sharded", out)
+  assert "; gathered whole for each forward pass" in out  # step.how_gathered, the step's own predicate
   np.testing.assert_allclose(step_lines(out), step_lines(out_single), atol=2e-4)
   assert int(re.findall(r"resamples (\d+)", out)[-1]) > 0, "the test must exercise resampling"
   jax.tree.map(

@@ -104,6 +104,17 @@ def test_a_constructor_gives_each_particle_its_own_init_and_an_instance_is_refus
     )
 
 
+def test_blocks_are_refused_for_an_nnx_model():
+  """``Task.blocks`` (``fsdp_gather="block"``) needs blocks built by ``models.blocks.make``, which are linen:
+  an NNX model that declares ``BLOCKS`` is refused when the task is made, naming the field."""
+
+  class NNXWithBlocks(NNXNet):
+    BLOCKS = r"layer_\d+"
+
+  with pytest.raises(ValueError, match=r"Task.blocks='layer_\\\\d\+': an NNX model's blocks cannot gather"):
+    ipf_jax.classification(NNXWithBlocks(nnx.Rngs(0)))
+
+
 def test_a_module_that_is_not_flax_is_one_clear_error():
   with pytest.raises(TypeError, match="neither a Flax Linen module, an nnx.Module, nor a constructor"):
     ipf_jax.classification(lambda rngs: 3)

@@ -176,7 +176,8 @@ def _devices(config: ml_collections.ConfigDict) -> None:
                                        # attention kernels whole: 0.43 of the state per device at Dd = 8, not 0.13)
   config.fsdp_gather = "particle"      # fsdp: "particle" gathers the whole particle for the forward pass; "block"
                                        # leaves the zoo models' blocks (ViT encoder blocks, ResNet blocks:
-                                       # Task.blocks) to gather their own as they run, so that under remat a
-                                       # device holds one block whole, not the particle. Not shown to lower the
-                                       # peak on XLA:CPU (BENCHMARKS.md "Gathering block by block under remat")
+                                       # Task.blocks) to gather their own as they run, so that under remat (it
+                                       # needs remat=True) a device holds one block whole, not the particle. Not
+                                       # shown to lower the peak on XLA:CPU (BENCHMARKS.md "Gathering block by
+                                       # block under remat")
   config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)

@@ -23,14 +23,15 @@ from typing import Any, Callable, Optional
 
 import flax.linen as nn
 
-Gather = Callable[[tuple, Any], Any]  # (the block's path of module names, its parameters) -> whole ones
+Gather = Callable[[tuple, Any, bool], Any]  # (the block's path of module names, its parameters, remat) -> whole ones
 _GATHER: contextvars.ContextVar[Optional[Gather]] = contextvars.ContextVar("ipf_jax_block_gather", default=None)
 
 
 @contextlib.contextmanager
 def gathering(gather: Gather):
-  """While the train step traces a particle's forward pass: ``gather(path, params)`` gives the whole
-  parameters of the block at ``path`` from a device's share of them."""
+  """While the train step traces a particle's forward pass: ``gather(path, params, remat)`` gives the whole
+  parameters of the block at ``path`` (recomputed in the backward pass when ``remat``) from a device's
+  share of them."""
   token = _GATHER.set(gather)
   try:
     yield
@@ -48,7 +49,7 @@ def make(parent: nn.Module, cls: type, name: str, remat: bool, static_argnums: t
     gather = _GATHER.get()
     if gather is None or "params" not in variables:
       return variables
-    return {**variables, "params": gather(path, variables["params"])}
+    return {**variables, "params": gather(path, variables["params"], remat)}
 
   block = nn.map_variables(cls, "params", trans_in_fn=view, init=parent.is_initializing())
   return nn.remat(block, static_argnums=static_argnums) if remat else block

@@ -188,7 +188,7 @@ def sources(u, log_w, islands: int = 1):
   return own[donor].reshape(num)
 
 
-def jitter(params, src, key, sigma: float, axis_name: str, blocks: Optional[tuple] = None):
+def jitter(params, src, key, sigma: float, axis_name: str, shards: Optional[tuple] = None):
   """``theta += sigma * eps`` on the local slots that received a copy (``src[n] != n``).
 
   Slot ``n``'s noise is one float32 draw ``normal(fold_in(key, n), (its number of weights,))``, cut into the
@@ -196,23 +196,23 @@ def jitter(params, src, key, sigma: float, axis_name: str, blocks: Optional[tupl
   compiles one RNG per leaf inside the resampling branch (+6 s per compile of the digits step, measured).
   Slots are drawn one at a time: the temporaries (the random bits, the normals, their pieces) are a few
   particles' weights in float32 (5x, compiled alone for the digits CNN), whatever ``L`` and the mesh.
-  Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` blocks. ``blocks`` = ``(dims,
-  axis)`` when some leaves are blocks of a particle sharded over ``axis`` (``fsdp.blocks``: each leaf's sharded
+  Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` blocks. ``shards`` = ``(dims,
+  axis)`` when some leaves are shards of a particle sharded over ``axis`` (``fsdp.shards``: each leaf's sharded
   dimension of its ``[P, ...]`` leaf, or -1): the whole particle's noise is drawn and each device keeps its
-  block, so the copies are the same as with whole particles.
+  shard, so the copies are the same as with whole particles.
   """
   leaves, treedef = jax.tree.flatten(params)
   num_local = leaves[0].shape[0]
   first = lax.axis_index(axis_name) * num_local
   slots = first + jnp.arange(num_local)
   copied = lax.dynamic_slice_in_dim(src, first, num_local) != slots
-  dims, block_axis = blocks or ((-1,) * len(leaves), None)
-  shapes = [_whole_shape(x.shape[1:], d, block_axis) for x, d in zip(leaves, dims)]
+  dims, shard_axis = shards or ((-1,) * len(leaves), None)
+  shapes = [_whole_shape(x.shape[1:], d, shard_axis) for x, d in zip(leaves, dims)]
   sizes = [math.prod(shape) for shape in shapes]
 
   def add_noise(j, out):
     eps = jnp.split(jax.random.normal(jax.random.fold_in(key, slots[j]), (sum(sizes),)), np.cumsum(sizes)[:-1])
-    eps = [_block(e.reshape(shape), d, block_axis) for e, shape, d in zip(eps, shapes, dims)]
+    eps = [_shard(e.reshape(shape), d, shard_axis) for e, shape, d in zip(eps, shapes, dims)]
     return [
       lax.dynamic_update_index_in_dim(
         x, lax.dynamic_index_in_dim(x, j, keepdims=False) + (sigma * e).astype(x.dtype), j, 0
@@ -228,14 +228,14 @@ def jitter(params, src, key, sigma: float, axis_name: str, blocks: Optional[tupl
 
 
 def _whole_shape(shape: tuple, dim: int, axis: Optional[str]) -> tuple:
-  """A particle's leaf shape from its block's (``dim``: the block's dimension of the ``[P, ...]`` leaf, -1 whole)."""
+  """A particle's leaf shape from its shard's (``dim``: the shard's dimension of the ``[P, ...]`` leaf, -1 whole)."""
   if dim < 0:
     return tuple(shape)
   return tuple(n * lax.axis_size(axis) if i == dim - 1 else n for i, n in enumerate(shape))
 
 
-def _block(whole, dim: int, axis: Optional[str]):
-  """This device's block of a particle's whole leaf (``_whole_shape``'s inverse)."""
+def _shard(whole, dim: int, axis: Optional[str]):
+  """This device's shard of a particle's whole leaf (``_whole_shape``'s inverse)."""
   if dim < 0:
     return whole
   size = whole.shape[dim - 1] // lax.axis_size(axis)
@@ -252,7 +252,7 @@ def resample(
   axis_name: str = "particle",
   exchange: Exchange = exchange_all_to_all,
   islands: int = 1,
-  blocks: Optional[tuple] = None,
+  shards: Optional[tuple] = None,
 ):
   """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
@@ -265,7 +265,7 @@ def resample(
   Args:
     particle: tuple ``(params, ...)`` of local ``[L, ...]`` trees that move together.
     log_w: ``[L]`` local log-weights; ``all_log_w``: ``[P]`` all of them (replicated).
-    blocks: ``jitter``'s, when the parameters are blocks of sharded particles (``fsdp.blocks``).
+    shards: ``jitter``'s, when the parameters are shards of sharded particles (``fsdp.shards``).
   Returns:
     ``(particle, uniform log-weights [L], src [P])``.
   """
@@ -273,5 +273,5 @@ def resample(
   src = sources(u, all_log_w, islands)
   params, *rest = exchange(particle, src, axis_name, axis_size)
   if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
-    params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name, blocks)
+    params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name, shards)
   return (params, *rest), jnp.full_like(log_w, -jnp.log(all_log_w.shape[0])), src

@@ -22,6 +22,7 @@ from ipf_jax.runtime.logs import keep_log, setup_logging
 from ipf_jax.runtime import workdir as workdir_lib
 from ipf_jax.runtime.preemption import RunStopped
 from ipf_jax.spmd import fsdp, optim
+from ipf_jax.spmd import step as step_lib
 from ipf_jax.spmd import mesh as mesh_lib
 from ipf_jax.spmd.task import Task
 
@@ -114,11 +115,10 @@ class _Run:
       g // p,
     )
     if self.config.fsdp:
-      per_block = self.config.fsdp_gather == "block"
-      how = "each block gathers its own" if per_block else "gathered whole for each forward pass"
-      if per_block and not self.parts.task.blocks:
-        how = "gathered whole: fsdp_gather='block', but the model declares no blocks (Task.blocks)"
-      log.info("%s; %s", fsdp.summary(self.parts.abstract_state), how)
+      abstract = self.parts.abstract_state
+      dims = fsdp.dims_of(jax.tree.map(lambda x: x.sharding.spec, abstract.params))
+      how = step_lib.how_gathered(self.spec, self.parts.task, dims)
+      log.info("%s; %s", fsdp.summary(abstract), how)
 
   def state_signature(self, config: ml_collections.ConfigDict) -> compatibility.Signature:
     """The shapes and dtypes of the state that ``config`` builds (on this run's data and, for a task

@@ -35,7 +35,7 @@ def make_eval_step(task: Task, mesh: jax.sharding.Mesh, particle_loop: str = "vm
   """
 
   def predict(params, shared, batch_stats, batch, dims=None):
-    params = fsdp.gather(params, dims, invariant=True)  # config.fsdp: the whole particle from its blocks
+    params = fsdp.gather(params, dims, invariant=True)  # config.fsdp: the whole particle from its shards
     outputs = task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, train=False)
     return task.predictive(outputs, batch)
 

@@ -9,12 +9,12 @@ momentum are sharded as their parameters are (``like_params``). The layout is a 
 state's arrays: every jitted function reads it from their types (``specs_of``), and a checkpoint restores onto
 any layout (the global arrays are the same).
 
-Inside ``shard_map`` a sharded leaf is a device's block. The forward pass gathers the particle
+Inside ``shard_map`` a sharded leaf is a device's shard. The forward pass gathers the particle
 (``gather``: ``all_gather`` over ``"data"``, whose transpose is a reduce-scatter, so each device's gradient
-arrives as its block of the mean over the group), and whatever sums over a particle's weights (norms,
+arrives as its shard of the mean over the group), and whatever sums over a particle's weights (norms,
 finiteness, jitter) reads ``dims``: ``-1`` for a replicated leaf, else the sharded dimension of the ``[P, ...]``
 leaf. Element-wise work (the optimizer's update, the correction's and fusion's ``psum`` over ``"particle"``,
-the exchange's ``ppermute``) runs on blocks as it is and moves ``1 / Dd`` of the bytes.
+the exchange's ``ppermute``) runs on shards as it is and moves ``1 / Dd`` of the bytes.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def dims_of(specs):
 
 
 def is_sharded(dims) -> bool:
-  """Whether any leaf is a block (``dims`` None: none is)."""
+  """Whether any leaf is a shard (``dims`` None: none is)."""
   return any(d != REPLICATED for d in jax.tree.leaves(dims))
 
 
@@ -109,9 +109,9 @@ def replicated(tree):
   return jax.tree.map(lambda _: REPLICATED, tree)
 
 
-def blocks(dims) -> Optional[tuple]:
-  """What ``particle_filter.resample`` needs to cut a copy's jitter into blocks: ``(dims in leaf order,
-  "data")``, or None when no leaf is a block."""
+def shards(dims) -> Optional[tuple]:
+  """What ``particle_filter.resample`` needs to cut a copy's jitter into shards: ``(dims in leaf order,
+  "data")``, or None when no leaf is a shard."""
   return (tuple(jax.tree.leaves(dims)), DATA) if is_sharded(dims) else None
 
 
@@ -137,10 +137,10 @@ def summary(abstract_state) -> str:
 
 
 def gather(tree, dims, invariant: bool = False):
-  """One particle's whole leaves from its blocks (per-particle code: the ``[P]`` axis is gone, so a leaf's
+  """One particle's whole leaves from its shards (per-particle code: the ``[P]`` axis is gone, so a leaf's
   sharded dimension is ``dims - 1``). The transpose of this gather is a reduce-scatter over ``"data"``.
   ``invariant``: the result typed the same on every device of the group (forward-only uses whose output
-  leaves ``shard_map`` replicated: fusion, evaluation). With no leaf a block (``dims`` None or all
+  leaves ``shard_map`` replicated: fusion, evaluation). With no leaf a shard (``dims`` None or all
   ``REPLICATED``) the tree comes back as it is."""
   if not is_sharded(dims):
     return tree
@@ -152,27 +152,72 @@ def gather(tree, dims, invariant: bool = False):
   return jax.tree.map(one, tree, dims)
 
 
-def gather_outside(params, dims, pattern: str):
-  """``(params, gather_block)`` for a model whose blocks gather their own parameters (``models.blocks``;
-  ``pattern``: the regex of their module paths, ``Task.blocks``): the particle's leaves outside those blocks
-  gathered (``gather``), the blocks' left as a device's share, and ``gather_block(path, block_params)``, the
-  whole parameters of the block at ``path`` (leaves ``dims`` does not hold, the shared ones, are whole)."""
-  flat = traverse_util.flatten_dict(dims, sep="/")
-  inside = re.compile(rf"(?:{pattern})/")
-  outside = {k: REPLICATED if inside.match(k) else d for k, d in flat.items()}
+class BlockGather:
+  """``config.fsdp_gather="block"``: a model whose blocks gather their own parameters as they run
+  (``models.blocks``; ``pattern``, ``Task.blocks``: the regex of their ``/``-joined module paths).
 
-  def gather_block(path, block_params):
-    prefix = "/".join(path) + "/"
-    names = traverse_util.flatten_dict(block_params, sep="/")
-    block_dims = {k: flat.get(prefix + k, REPLICATED) for k in names}
+  ``outside(params)``: the particle with its leaves outside the blocks gathered and the blocks' left as
+  a device's shards. ``gather(path, block_params, remat)`` (what ``models.blocks.gathering`` installs): the
+  whole parameters of the block at ``path`` (leaves ``dims`` does not hold, the shared ones, are whole).
+  ``check()``, after the model ran: every sharded leaf inside the blocks was gathered by its block, and the
+  blocks are recomputed in the backward pass (without it each gathered block is kept for the backward
+  pass, as the whole particle is by ``fsdp_gather="particle"``, and the second gather buys nothing). A
+  ``pattern`` that does not describe the model's blocks is named, not left to a shape error."""
+
+  def __init__(self, dims, pattern: str):
+    self.pattern = pattern
+    self.dims = traverse_util.flatten_dict(dims, sep="/")
+    inside = re.compile(rf"(?:{pattern})/")
+    self.inside = {k for k, d in self.dims.items() if d != REPLICATED and inside.match(k)}
+    self.gathered: set[str] = set()
+    self.kept: list[str] = []  # the blocks that ran without remat
+
+  def outside(self, params):
+    flat = {k: REPLICATED if k in self.inside else d for k, d in self.dims.items()}
+    return gather(params, traverse_util.unflatten_dict(flat, sep="/"))
+
+  def __call__(self, path: tuple, block_params, remat: bool = True):
+    name = "/".join(path)
+    if not re.fullmatch(self.pattern, name):
+      raise ValueError(
+        f"fsdp_gather='block': the block {name!r} (built by ipf_jax.models.blocks.make) is not matched by "
+        f"Task.blocks={self.pattern!r}, so its parameters were gathered whole already; make the pattern "
+        "match every block (a model's BLOCKS), or set fsdp_gather='particle'"
+      )
+    if not remat:
+      self.kept.append(name)
+    leaves = traverse_util.flatten_dict(block_params, sep="/")
+    keys = {k: f"{name}/{k}" for k in leaves}
+    self.gathered.update(key for key in keys.values() if key in self.inside)
+    block_dims = {k: self.dims[key] if key in self.inside else REPLICATED for k, key in keys.items()}
     return gather(block_params, traverse_util.unflatten_dict(block_dims, sep="/"))
 
-  return gather(params, traverse_util.unflatten_dict(outside, sep="/")), gather_block
+  def check(self, error: Optional[Exception] = None) -> None:
+    """After the model ran, or raised ``error`` (Flax's shape error, when a leaf that ``pattern`` matches
+    reached a module not built by ``make`` as a device's shard): the error naming ``Task.blocks``."""
+    if error is None:
+      missed = sorted(self.inside - self.gathered)
+    else:
+      found = re.search(r'For parameter "([^"]+)" in "/?([^"]*)"', str(error))
+      key = found and f"{found.group(2)}/{found.group(1)}"
+      missed = [key] if key in self.inside - self.gathered else []
+    if missed:
+      raise ValueError(
+        f"fsdp_gather='block': Task.blocks={self.pattern!r} matches sharded parameters that no block built by "
+        f"ipf_jax.models.blocks.make gathered ({missed[0]!r}{' and more' if len(missed) > 1 else ''}); a "
+        "model's BLOCKS must name only blocks built by it, or set fsdp_gather='particle'"
+      ) from error
+    if error is None and self.kept:
+      raise ValueError(
+        f"fsdp_gather='block' gathers each block as it runs, which holds less only when the blocks are "
+        f"recomputed in the backward pass, and {len(self.kept)} are not (first: {self.kept[0]!r}); set "
+        "remat=True (a model of your own: ipf_jax.models.blocks.make(..., remat=True)) or fsdp_gather='particle'"
+      )
 
 
-def sum_over_blocks(values, dims):
+def sum_over_shards(values, dims):
   """``sum`` of per-leaf partial results (``[L]`` or scalars, a list in ``tree`` leaf order): a sharded leaf's
-  result is the ``psum`` over ``"data"`` of its blocks' (``dims`` None: every leaf whole, a plain ``sum``)."""
+  result is the ``psum`` over ``"data"`` of its shards' (``dims`` None: every leaf whole, a plain ``sum``)."""
   if not is_sharded(dims):
     return sum(values)
   dims = jax.tree.leaves(dims)
@@ -183,15 +228,15 @@ def sum_over_blocks(values, dims):
 
 
 def squared_norms(tree, dims):
-  """``[L]``: each local particle's ``||x||^2`` over its whole leaves (blocks summed over ``"data"``)."""
+  """``[L]``: each local particle's ``||x||^2`` over its whole leaves (shards summed over ``"data"``)."""
   values = [jnp.sum(jnp.square(x).reshape(x.shape[0], -1), axis=1) for x in jax.tree.leaves(tree)]
-  return sum_over_blocks(values, dims)
+  return sum_over_shards(values, dims)
 
 
 def all_finite(tree, dims):
   """``[L]`` bool: every entry of each local particle's whole leaves is finite."""
   values = [(~jnp.isfinite(x)).reshape(x.shape[0], -1).any(axis=1).astype(jnp.int32) for x in jax.tree.leaves(tree)]
-  return sum_over_blocks(values, dims) == 0
+  return sum_over_shards(values, dims) == 0
 
 
 # ---- the optimizer's global norm --------------------------------------------------------------------------------
@@ -202,7 +247,7 @@ _UPDATE_DIMS: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("ip
 @contextlib.contextmanager
 def updating(dims):
   """While the step traces one particle's optimizer update: the ``dims`` of the tree it updates, so that
-  ``global_norm`` (the optimizer's clipping) sums blocks over ``"data"``."""
+  ``global_norm`` (the optimizer's clipping) sums shards over ``"data"``."""
   token = _UPDATE_DIMS.set(dims if is_sharded(dims) else None)
   try:
     yield
@@ -223,4 +268,4 @@ def global_norm(tree):
       f"{len(jax.tree.leaves(dims))}: it must see the whole update (first in the chain, not under optax.masked "
       "or multi_transform), or set fsdp=False"
     )
-  return jnp.sqrt(sum_over_blocks([jnp.sum(jnp.square(x)) for x in leaves], dims))
+  return jnp.sqrt(sum_over_shards([jnp.sum(jnp.square(x)) for x in leaves], dims))

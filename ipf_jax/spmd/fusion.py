@@ -43,7 +43,7 @@ def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
 
   ``variables`` = ``{"params": theta_bar (with the shared ones), "batch_stats": beta_bar}``, ready for
   a plain ``model.apply``; ``distances`` ``[P]`` = ``||theta_i - theta_bar||`` (particle diversity).
-  ``config.fsdp``: the weighted sum is taken block by block, then gathered.
+  ``config.fsdp``: the weighted sum is taken shard by shard, then gathered.
   """
 
   def local(dims, state: ParticleState):
@@ -67,12 +67,12 @@ def make_diversity_fn(mesh: jax.sharding.Mesh) -> Callable:
 
 def _distances(state: ParticleState, fused_params, dims=None):
   """``[P]`` ``||theta_i - theta_bar||`` over the particles' own (not shared) parameters, gathered
-  (``config.fsdp``: the blocks' squares summed over ``"data"``)."""
+  (``config.fsdp``: the shards' squares summed over ``"data"``)."""
   sq = [
     jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
     for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_params))
   ]
-  sq = fsdp.sum_over_blocks(sq, dims)
+  sq = fsdp.sum_over_shards(sq, dims)
   return pf.gather_all(jnp.sqrt(sq), PARTICLE)
 
 

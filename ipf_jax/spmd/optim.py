@@ -51,13 +51,13 @@ def _decay_mask(params):
 
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lion", "adafactor")
-ELEMENTWISE = ("sgd", "adamw", "lion")  # an update of a block of the weights needs that block only (config.fsdp)
+ELEMENTWISE = ("sgd", "adamw", "lion")  # an update of a shard of the weights needs that shard only (config.fsdp)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   """``optax.clip_by_global_norm`` (the same state, ``EmptyState``, and the same numbers) whose norm is over
-  the particle's whole leaves when its blocks are sharded over ``"data"`` (``config.fsdp``: ``fsdp.global_norm``
-  sums the blocks' squares over the group)."""
+  the particle's whole leaves when its leaves are sharded over ``"data"`` (``config.fsdp``: ``fsdp.global_norm``
+  sums the shards' squares over the group)."""
 
   def update(updates, state, params=None):
     del params

@@ -18,9 +18,9 @@ of a device (``over_particles``); collectives name ``"particle"`` or ``"data"``.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, NamedTuple, Optional
 
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -73,8 +73,8 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   float16: the state's loss-scaling policy scales the loss, unscales the gradients and takes each
   particle's vote on the next scale (``loss_scaling``).
   No NaN leaves a culled particle: its gradients are replaced by zeros (``where``, not ``*``).
-  ``config.fsdp``: the particle is gathered from its blocks (``dims``) for the forward pass, and each device's
-  gradient is its block of the group's (the gather's transpose, a reduce-scatter).
+  ``config.fsdp``: the particle is gathered from its shards (``dims``) for the forward pass, and each device's
+  gradient is its shard of the group's (the gather's transpose, a reduce-scatter).
   """
   scaling = loss_scaling.of(state)
   sharded = fsdp.is_sharded(dims)
@@ -127,13 +127,35 @@ def apply_particle(task: Task, spec: ParticleSpec, params, shared, batch_stats, 
   device's blocks (``dims``), gathered here; with ``fsdp_gather="block"`` except those of the model's blocks
   (``task.blocks``), which each block gathers as it runs (``models.blocks``: under ``remat`` one block at a
   time)."""
-  if spec.fsdp_gather == "block" and task.blocks and fsdp.is_sharded(dims):
-    params, gather_block = fsdp.gather_outside(params, dims, task.blocks)
-    gathering = blocks.gathering(gather_block)
-  else:
-    params, gathering = fsdp.gather(params, dims), contextlib.nullcontext()
-  with gathering:
-    return task.apply({"params": sharing.merge(params, shared), "batch_stats": batch_stats}, batch, True, key)
+  variables = lambda params: {"params": sharing.merge(params, shared), "batch_stats": batch_stats}
+  if not gathers_per_block(spec, task, dims):
+    return task.apply(variables(fsdp.gather(params, dims)), batch, True, key)
+  gather = fsdp.BlockGather(dims, task.blocks)
+  with blocks.gathering(gather):
+    try:
+      result = task.apply(variables(gather.outside(params)), batch, True, key)
+    except flax.errors.ScopeParamShapeError as error:
+      gather.check(error)  # a leaf that task.blocks matches reached a module not built by blocks.make
+      raise
+  gather.check()
+  return result
+
+
+def gathers_per_block(spec: ParticleSpec, task: Task, dims) -> bool:
+  """Whether ``apply_particle`` leaves the model's blocks to gather their own parameters: ``fsdp_gather=
+  "block"``, a model that declares its blocks (``task.blocks``) and a sharded particle (``dims``)."""
+  return spec.fsdp_gather == "block" and bool(task.blocks) and fsdp.is_sharded(dims)
+
+
+def how_gathered(spec: ParticleSpec, task: Task, dims) -> str:
+  """What the run's log says of ``apply_particle``'s gather (``gathers_per_block``, and why not)."""
+  if gathers_per_block(spec, task, dims):
+    return "each block gathers its own"
+  if spec.fsdp_gather == "block" and not task.blocks:
+    return "gathered whole: fsdp_gather='block', but the model declares no blocks (Task.blocks)"
+  if spec.fsdp_gather == "block":
+    return "gathered whole: fsdp_gather='block', but no leaf is sharded"
+  return "gathered whole for each forward pass"
 
 
 def micro_batches(batch: dict, k: int) -> dict:
@@ -209,7 +231,7 @@ def reweigh(spec: ParticleSpec, state: ParticleState, g: Gradients, dims=None) -
   the ESS at ``ess_target * P`` (``particle_filter.adaptive_temperature``)."""
   score = g.loss if g.score is None else g.score
   raw = pf.update_log_weights(state.log_weights, score, g.alive, spec.temperature, spec.forgetting)
-  if fsdp.is_sharded(dims):  # the blocks' squares summed over "data"
+  if fsdp.is_sharded(dims):  # the shards' squares summed over "data"
     grad_norm = jnp.sqrt(fsdp.squared_norms((g.grads, g.shared_grads), (dims, fsdp.replicated(g.shared_grads))))
   else:
     grad_norm = jax.vmap(optax.tree.norm)((g.grads, g.shared_grads))
@@ -252,7 +274,7 @@ def correct_and_update(
   ``theta_i <- (1 - alpha) theta_i + alpha sum_j w_j theta_j``. Shared parameters take one update with
   the weighted consensus gradient (lambda = 1 for them).
 
-  ``config.fsdp``: the leaves are blocks (``dims``), each updated on its own (an element-wise optimizer).
+  ``config.fsdp``: the leaves are shards (``dims``), each updated on its own (an element-wise optimizer).
 
   Returns ``(particle, shared_params, shared_opt_state)`` with ``particle = (params, batch_stats,
   opt_state, residual)``: everything that moves with a particle in resampling.
@@ -263,7 +285,7 @@ def correct_and_update(
     directions = correction.mix(g.grads, consensus, spec.correction)
   else:
     directions = correction.correct(g.grads, weights, spec.correction, PARTICLE)
-  with fsdp.updating(dims):  # config.fsdp: the optimizer's clipping norms the whole particle, not a block
+  with fsdp.updating(dims):  # config.fsdp: the optimizer's clipping norms the whole particle, not a shard
     updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   params = correction.correct(params, weights, spec.elastic_pull, PARTICLE)
@@ -337,7 +359,7 @@ def resample_phase(
 
   def resample(particle, log_w):
     return pf.resample(
-      key, particle, log_w, all_log_w, dp, sigma, exchange=exchange, islands=spec.islands, blocks=fsdp.blocks(dims)
+      key, particle, log_w, all_log_w, dp, sigma, exchange=exchange, islands=spec.islands, shards=fsdp.shards(dims)
     )
 
   particle = (state.params, state.batch_stats, state.opt_state, state.residual)
@@ -404,7 +426,7 @@ class StepParts(NamedTuple):
   dp: int
   lr_fn: Optional[optax.Schedule]
   exchange: exchange_lib.Exchange
-  dims: Any = None  # fsdp.dims_of the parameters (config.fsdp: which are blocks over "data"), set when traced
+  dims: Any = None  # fsdp.dims_of the parameters (config.fsdp: which are sharded over "data"), set when traced
 
 
 def local_step(c: StepParts, state: ParticleState, batch):

@@ -58,7 +58,8 @@ class Task:
     finalize_diversity: host ``sums -> {metric: value}`` for ``diversity``.
     blocks: a regex of the ``/``-joined module paths of the model's blocks that gather their own parameters
       (``ipf_jax.models.blocks``; with ``config.fsdp`` each block gathers its share when it runs, under
-      ``remat`` never the whole particle at once); default the model's ``BLOCKS`` attribute, else none.
+      ``remat`` never the whole particle at once); default the model's ``BLOCKS`` attribute, else none. Linen
+      models only: refused for an NNX model.
     augment: ``(batch, key) -> batch``, a train-time transform of one particle's shard of the batch inside
       the train step, before the model and the loss (``mix``: mixup), with a key per particle and step; or
       ``None``. It may use collectives over ``"data"`` (the particle's other shards).
@@ -81,6 +82,12 @@ class Task:
     if self.blocks is None:
       object.__setattr__(self, "blocks", getattr(self.model, "BLOCKS", ""))
     if nnx_bridge.is_nnx(self.model):  # frozen: the adapted model replaces the one given, once
+      if self.blocks:
+        raise ValueError(
+          f"Task.blocks={self.blocks!r}: an NNX model's blocks cannot gather their own parameters "
+          "(ipf_jax.models.blocks.make builds Flax linen blocks); leave blocks (and the model's BLOCKS) unset, "
+          "and config.fsdp gathers the whole particle"
+        )
       object.__setattr__(self, "model", nnx_bridge.NNXModel(self.model))
       object.__setattr__(self, "rngs", self.rngs or self.model.streams)
     if (self.diversity is None) != (self.finalize_diversity is None):
