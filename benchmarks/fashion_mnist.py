@@ -3,6 +3,7 @@
   apt-get install dataset-fashion-mnist && python -m ipf_jax.data.prepare fashion_mnist --data_dir DIR
   python -m benchmarks.fashion_mnist --data_dir DIR [--seeds 3] [--epochs 5] [--batch 128]
          [--methods ddp,...] [--shift_examples 500] [--eval_every_epochs 1] [--out rows.jsonl] [--picture c.png]
+         [--vit 64,6,4,7]   # a small ViT (width, depth, heads, patch) with configs/fashion_mnist_vit.py's recipe
 
 ``configs/fashion_mnist.py`` as a user runs it (TFDS's fashion_mnist prepared
 from Debian's files, pad-4 crop + flip, the CNN (32, 64, 128), 8 fake CPU
@@ -21,13 +22,17 @@ resamplings per step; the test accuracy after each epoch (``curve``, from
 accuracy (mean over DDP's seeds) as a fraction of the run, and the standard
 deviation of the per-step training loss over the last 40% of steps. Each run's
 row is appended to ``--out`` (JSON lines) as soon as it ends, so a stopped study
-keeps what it measured; ``--resume`` skips the rows already there. A
+keeps what it measured; ``--resume`` skips the rows already there. ``--vit
+W,D,H,P`` trains the zoo's ViT at width W, depth D, H heads, patch P (MLP 4W)
+instead of the CNN, with ``configs/fashion_mnist_vit.py``'s AdamW recipe (issue:
+ViTs, study 5a): the library path, the model given as a ``Task``. A
 benchmark, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -40,9 +45,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import print_summary  # noqa: E402
-from configs import fashion_mnist  # noqa: E402
+from configs import fashion_mnist, fashion_mnist_vit  # noqa: E402
+from ipf_jax.config import builder  # noqa: E402
 from ipf_jax.reporting import report  # noqa: E402
-from ipf_jax.runtime import trainer
+from ipf_jax.runtime import trainer  # noqa: E402
+from ipf_jax.spmd.task import Task  # noqa: E402
 
 # The digits study's most diverse population (BENCHMARKS.md, "Ten seeds on another machine"): correction=0,
 # islands=4, init=independent, jitter_lr=0.3, ess_threshold=0.75. No fused model (independent inits), so its
@@ -106,8 +113,9 @@ def run_steps(args) -> int:
 
 
 def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None = None) -> dict:
-  """One (method, seed) run as ``configs/fashion_mnist.py`` with ``METHODS[method]`` (or ``overrides``)."""
-  config = fashion_mnist.get_config()
+  """One (method, seed) run as ``configs/fashion_mnist.py`` (``--vit``: ``fashion_mnist_vit.py`` with the small
+  ViT) with ``METHODS[method]`` (or ``overrides``)."""
+  config = (fashion_mnist_vit if args.vit else fashion_mnist).get_config()
   config.data_dir, config.seed = args.data_dir, seed
   config.global_batch_size, config.num_epochs = args.batch, float(args.epochs)
   config.checkpoint_every_steps, config.log_every_steps = -1, 100
@@ -122,7 +130,7 @@ def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None =
   if args.eval_every_epochs:
     config.eval_every_steps = max(1, int(args.eval_every_epochs * steps_per_epoch(args.batch)))
   t = time.perf_counter()
-  r = trainer.train_and_evaluate(config, workdir)
+  r = trainer.train_and_evaluate(config, workdir, task=small_vit(args.vit, config) if args.vit else None)
   seconds = time.perf_counter() - t
   scalars = report.read_scalars(workdir)
   single = (
@@ -135,6 +143,7 @@ def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None =
   curve_steps, curve = scalars.get("eval/ensemble/accuracy", ([], []))
   row = {
     "method": method,
+    "model": model_name(args),
     "seed": seed,
     "steps": steps,
     "batch": args.batch,
@@ -159,6 +168,19 @@ def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None =
     + [[steps, r["ensemble"]["accuracy"]]],
   }
   return json.loads(json.dumps(row, default=float))  # numpy and jax scalars as floats
+
+
+def small_vit(spec: str, config) -> Task:
+  """``--vit W,D,H,P``: the zoo's ViT task for ``config`` (its dropout, stochastic depth and head) with width W,
+  depth D, H heads, an MLP of 4W and P x P patches."""
+  width, depth, heads, patch = (int(x) for x in spec.split(","))
+  task = builder.zoo_task(config, 10)
+  model = task.model.clone(width=width, depth=depth, num_heads=heads, mlp_dim=4 * width, patch_size=patch)
+  return dataclasses.replace(task, model=model)
+
+
+def model_name(args) -> str:
+  return f"vit {args.vit}" if args.vit else "cnn"
 
 
 def reach_fraction(row: dict, target: float) -> float:
@@ -252,12 +274,16 @@ def main():
   parser.add_argument("--out", default="", help="append each run's row here (JSON lines)")
   parser.add_argument("--resume", action="store_true", help="skip the (method, seed) rows --out already has")
   parser.add_argument("--picture", default="", help="write the accuracy-vs-epoch picture here (PNG)")
+  parser.add_argument("--vit", default="", help="width,depth,heads,patch: a small ViT instead of the CNN")
   args = parser.parse_args()
+  if args.vit and (len(args.vit.split(",")) != 4 or not all(x.strip().isdigit() for x in args.vit.split(","))):
+    parser.error(f"--vit {args.vit!r}: four positive integers, width,depth,heads,patch (e.g. 64,6,4,7)")
   joined = start_study(parser, args, METHODS)
   rows = [
     r
     for r in previous_rows(args)
-    if (r["batch"], r["epochs"], r["steps"]) == (args.batch, args.epochs, run_steps(args))
+    if (r["batch"], r["epochs"], r["steps"], r.get("model", "cnn"))
+    == (args.batch, args.epochs, run_steps(args), model_name(args))
   ]
   done = {(r["method"], r["seed"]) for r in rows}
   with tempfile.TemporaryDirectory() as tmp:
@@ -277,7 +303,8 @@ def main():
         )
   rows = [r for r in rows if r["method"] in joined]
   print(
-    f"\nFashion-MNIST, {args.epochs:g} epochs, global batch {args.batch}, 8 CPU devices, mean ± std over seeds; "
+    f"\nFashion-MNIST, {model_name(args)}, {args.epochs:g} epochs, global batch {args.batch}, 8 CPU devices, mean "
+    "± std over seeds; "
     f"shift = the 25 corrupted sets (first {args.shift_examples} test images each); OOD AUROC by the "
     "ensemble's max probability; reach_ddp = first evaluated fraction of the run at which the ensemble "
     "reaches DDP's final accuracy\n"

@@ -173,6 +173,27 @@ def test_fashion_mnist_study_method_names_survive_the_comma_list():
   assert not [m for m in fashion_mnist.METHODS if "," in m], "--methods is a comma list: a name cannot hold one"
 
 
+def test_fashion_mnist_study_s_small_vit_is_the_zoo_s_vit_resized():
+  """``--vit W,D,H,P`` (study 5a): the zoo's ViT task for configs/fashion_mnist_vit.py (its dropout streams,
+  stochastic depth, class token) at the size asked; the parameter count is a plain sum over the layers."""
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks import fashion_mnist
+  from configs import fashion_mnist_vit
+
+  config = fashion_mnist_vit.get_config()
+  task = fashion_mnist.small_vit("16,2,2,7", config)
+  assert (task.model.width, task.model.depth, task.model.num_heads, task.model.mlp_dim) == (16, 2, 2, 64)
+  assert task.model.patch_size == 7 and task.model.stochastic_depth == config.stochastic_depth
+  assert task.rngs and task.blocks == task.model.BLOCKS
+  params = jax.eval_shape(task.init, jax.random.key(0), {"image": jnp.zeros((1, 28, 28, 1))})["params"]
+  w, m, tokens = 16, 64, 4 * 4 + 1
+  block = 2 * 2 * w + (3 * (w * w + w) + w * w + w) + (w * m + m + m * w + w)  # 2 LayerNorms, attention, MLP
+  expected = (7 * 7 * w + w) + w + tokens * w + 2 * block + 2 * w + (w * 10 + 10)  # patches, cls, posemb, head
+  assert sum(x.size for x in jax.tree.leaves(params)) == expected
+
+
 def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   out = tmp_path / "rows.jsonl"
   args = (
