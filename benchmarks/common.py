@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import time
 from typing import Callable
 
@@ -136,6 +138,19 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def print_summary(summary: dict) -> None:
   print("SUMMARY " + json.dumps(summary, sort_keys=True))
+
+
+def commit() -> str:
+  """The checkout's commit (``+`` when its tracked files differ from it), or ``""`` outside a git checkout:
+  what a row of a long study records of the code it ran."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  git = lambda *a: subprocess.run(["git", "-C", here, *a], capture_output=True, text=True, timeout=30)
+  try:
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ""
+  return head.stdout.strip() + ("+" if dirty else "") if head.returncode == 0 else ""
 
 
 def study_parser(doc: str, seeds: int = 3, methods: tuple = ()) -> argparse.ArgumentParser:

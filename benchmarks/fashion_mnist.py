@@ -44,7 +44,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import print_summary  # noqa: E402
+from benchmarks.common import commit, print_summary  # noqa: E402
 from configs import fashion_mnist, fashion_mnist_vit  # noqa: E402
 from ipf_jax.config import builder  # noqa: E402
 from ipf_jax.reporting import report  # noqa: E402
@@ -144,6 +144,7 @@ def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None =
   row = {
     "method": method,
     "model": model_name(args),
+    "commit": commit(),
     "seed": seed,
     "steps": steps,
     "batch": args.batch,

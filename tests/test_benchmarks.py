@@ -217,6 +217,7 @@ def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   s = run_module("benchmarks.fashion_mnist", *args, devices=8)
   (r,) = s["rows"]
   assert r["method"] == "ipf ess_target=0.5" and [json.loads(line) for line in open(out)] == [r]
+  assert r["model"] == "cnn" and len(r["commit"].rstrip("+")) >= 7  # the code it ran, from this checkout
   assert r["steps"] == 4 and r["curve"][-1] == [4, r["ens_acc"]] and 0 < r["ood_digits"] < 1
   assert 0 <= r["shift_ens_ece"] <= 1 and 0 < r["ood_photos"] < 1 and 0 <= r["resample_rate"] <= 1
   assert (tmp_path / "c.png").stat().st_size > 0
