@@ -277,8 +277,11 @@ def main():
   parser.add_argument("--picture", default="", help="write the accuracy-vs-epoch picture here (PNG)")
   parser.add_argument("--vit", default="", help="width,depth,heads,patch: a small ViT instead of the CNN")
   args = parser.parse_args()
-  if args.vit and (len(args.vit.split(",")) != 4 or not all(x.strip().isdigit() for x in args.vit.split(","))):
+  sizes = args.vit.split(",") if args.vit else []
+  if args.vit and (len(sizes) != 4 or not all(x.strip().isdigit() and int(x) > 0 for x in sizes)):
     parser.error(f"--vit {args.vit!r}: four positive integers, width,depth,heads,patch (e.g. 64,6,4,7)")
+  if args.vit and args.cnn_features:
+    parser.error("--cnn_features sizes the CNN, and --vit trains a ViT instead: give one of them")
   joined = start_study(parser, args, METHODS)
   rows = [
     r

@@ -36,7 +36,7 @@ OPTIMIZERS = {"adamw": dict(optimizer="adamw", base_lr=1e-3, weight_decay=0.05),
 
 
 def state_bytes(abstract) -> int:
-  """Bytes of the particles' parameters and optimizer state on one device (the shardings' block shapes)."""
+  """Bytes of the particles' parameters and optimizer state on one device (the shardings' shard shapes)."""
   import jax
   import numpy as np
 

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -195,6 +197,8 @@ def test_fashion_mnist_study_s_small_vit_is_the_zoo_s_vit_resized():
 
 
 def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
+  from benchmarks.common import commit
+
   out = tmp_path / "rows.jsonl"
   args = (
     "--data_dir",
@@ -217,7 +221,7 @@ def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   s = run_module("benchmarks.fashion_mnist", *args, devices=8)
   (r,) = s["rows"]
   assert r["method"] == "ipf ess_target=0.5" and [json.loads(line) for line in open(out)] == [r]
-  assert r["model"] == "cnn" and len(r["commit"].rstrip("+")) >= 7  # the code it ran, from this checkout
+  assert r["model"] == "cnn" and r["commit"] == commit()  # the code it ran (empty outside a git checkout)
   assert r["steps"] == 4 and r["curve"][-1] == [4, r["ens_acc"]] and 0 < r["ood_digits"] < 1
   assert 0 <= r["shift_ens_ece"] <= 1 and 0 < r["ood_photos"] < 1 and 0 <= r["resample_rate"] <= 1
   assert (tmp_path / "c.png").stat().st_size > 0
@@ -245,3 +249,17 @@ def test_fashion_mnist_input_tiny(fashion_dir):
   (row,) = s["rows"]
   assert row["model"] == "cnn" and row["pipeline_img_s"] > 0 and row["step_img_s"] > 0 and row["together_img_s"] > 0
   assert row["randaugment_img_s"] > 0
+
+
+@pytest.mark.parametrize(
+  "module,args,message",
+  [
+    ("benchmarks.fsdp_memory", ["--blocks", "--no-compile"], "--blocks compares the compiled step's peaks"),
+    ("benchmarks.fashion_mnist", ["--vit", "64,6,0,7"], "four positive integers"),
+    ("benchmarks.fashion_mnist", ["--vit", "64,6,4,7", "--cnn_features", "4,8"], "give one of them"),
+  ],
+)
+def test_benchmark_arguments_that_cannot_run_are_refused(module, args, message):
+  """One parser error (exit 2) naming what to change, before anything is built."""
+  r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]

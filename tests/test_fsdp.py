@@ -317,12 +317,34 @@ def test_the_log_says_what_the_step_does(gather, blocks, dims, how):
 
 
 @pytest.mark.parametrize(
+  "pattern", [r"Transformer/encoderblock_\d+", r"^Transformer/encoderblock_\d+$", r"Transformer/encoderblock_0|head2"]
+)
+def test_a_block_s_leaves_are_those_under_a_path_the_pattern_matches_whole(pattern):
+  """``BlockGather`` finds the blocks' leaves by the test that each block's own gather applies (``re.fullmatch``
+  of a module path), so an anchored pattern means what it says; whole leaves are never the blocks'. A block
+  that never gathered its leaves (one that did not run in training) is named by ``check``."""
+  dims = {
+    "Transformer": {"encoderblock_0": {"k": 1, "b": -1}, "encoder_norm": {"scale": 1}},
+    "head": {"kernel": 1},
+    "head2": {"kernel": -1},
+  }
+  gather = fsdp.BlockGather(dims, pattern)
+  assert gather.inside == {"Transformer/encoderblock_0/k"}
+  with pytest.raises(ValueError, match=r"\('Transformer/encoderblock_0/k'\): .* did not run in training"):
+    gather.check()
+  with pytest.raises(ValueError, match=r"Task.blocks=.*is not a regex"):
+    dataclasses.replace(small_vit_task(), blocks="encoderblock_(")
+
+
+@pytest.mark.parametrize(
   "blocks,remat,match",
   [
     # the second block is built by blocks.make but not named: it would be gathered twice
     (r"Transformer/encoderblock_0", True, r"the block 'Transformer/encoderblock_1' .* not matched by Task.blocks"),
+    # a parent of the blocks: its leaves (the blocks', the final norm's) would never be gathered
+    (r"Transformer", True, r"the block 'Transformer/encoderblock_0' .* not matched by Task.blocks"),
     # a module not built by blocks.make is named: its leaves would stay a device's shards
-    (r"Transformer/encoderblock_\d+|embedding", True, r"matches sharded .* no block .* \('embedding/kernel'\)"),
+    (r"Transformer/encoderblock_\d+|embedding", True, r"matches sharded .* no block .* \('embedding/bias' and more\)"),
     # gathered block by block, but nothing recomputed: the second gather would buy nothing
     (r"Transformer/encoderblock_\d+", False, r"2 are not \(first: 'Transformer/encoderblock_0'\); set remat=True"),
   ],

@@ -134,7 +134,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
 
 
 def _validate_fsdp(config: ml_collections.ConfigDict) -> None:
-  """``fsdp`` with what updates a block of a particle's weights from that block alone."""
+  """``fsdp`` with what updates a shard of a particle's weights from that shard alone."""
   _check(
     config.fsdp_min_size_mb >= 0,
     "fsdp_min_size_mb",
@@ -158,7 +158,7 @@ def _validate_fsdp(config: ml_collections.ConfigDict) -> None:
   _check(
     config.dtype != "float16",
     "fsdp",
-    "with dtype='float16' is not supported (each device would judge an overflow on its own block); use "
+    "with dtype='float16' is not supported (each device would judge an overflow on its own shard); use "
     "dtype='bfloat16' or fsdp=False",
   )
   _check(

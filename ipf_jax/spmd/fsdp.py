@@ -25,6 +25,7 @@ import math
 import re
 from typing import Any, Optional
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,11 +155,13 @@ def gather(tree, dims, invariant: bool = False):
 
 class BlockGather:
   """``config.fsdp_gather="block"``: a model whose blocks gather their own parameters as they run
-  (``models.blocks``; ``pattern``, ``Task.blocks``: the regex of their ``/``-joined module paths).
+  (``models.blocks``; ``pattern``, ``Task.blocks``: the regex that the ``/``-joined module path of each
+  block matches whole, ``re.fullmatch``).
 
   ``outside(params)``: the particle with its leaves outside the blocks gathered and the blocks' left as
   a device's shards. ``gather(path, block_params, remat)`` (what ``models.blocks.gathering`` installs): the
   whole parameters of the block at ``path`` (leaves ``dims`` does not hold, the shared ones, are whole).
+  ``watch`` (for ``nn.intercept_methods``) notes the module in which Flax's shape error surfaced.
   ``check()``, after the model ran: every sharded leaf inside the blocks was gathered by its block, and the
   blocks are recomputed in the backward pass (without it each gathered block is kept for the backward
   pass, as the whole particle is by ``fsdp_gather="particle"``, and the second gather buys nothing). A
@@ -167,10 +170,15 @@ class BlockGather:
   def __init__(self, dims, pattern: str):
     self.pattern = pattern
     self.dims = traverse_util.flatten_dict(dims, sep="/")
-    inside = re.compile(rf"(?:{pattern})/")
-    self.inside = {k for k, d in self.dims.items() if d != REPLICATED and inside.match(k)}
+    self.inside = {k for k, d in self.dims.items() if d != REPLICATED and self._in_block(k)}
     self.gathered: set[str] = set()
-    self.kept: list[str] = []  # the blocks that ran without remat
+    self.kept: dict[str, None] = {}  # the blocks that ran without remat, in order
+    self.failed: Optional[str] = None  # the module whose parameters Flax found the wrong shape
+
+  def _in_block(self, key: str) -> bool:
+    """Whether the leaf ``key`` lies inside a module whose path ``pattern`` matches whole."""
+    parts = key.split("/")
+    return any(re.fullmatch(self.pattern, "/".join(parts[:i])) for i in range(1, len(parts)))
 
   def outside(self, params):
     flat = {k: REPLICATED if k in self.inside else d for k, d in self.dims.items()}
@@ -181,36 +189,44 @@ class BlockGather:
     if not re.fullmatch(self.pattern, name):
       raise ValueError(
         f"fsdp_gather='block': the block {name!r} (built by ipf_jax.models.blocks.make) is not matched by "
-        f"Task.blocks={self.pattern!r}, so its parameters were gathered whole already; make the pattern "
-        "match every block (a model's BLOCKS), or set fsdp_gather='particle'"
+        f"Task.blocks={self.pattern!r}, so its parameters would be gathered twice or not at all; make the "
+        "pattern match every block's path whole (a model's BLOCKS), or set fsdp_gather='particle'"
       )
     if not remat:
-      self.kept.append(name)
+      self.kept[name] = None
     leaves = traverse_util.flatten_dict(block_params, sep="/")
     keys = {k: f"{name}/{k}" for k in leaves}
     self.gathered.update(key for key in keys.values() if key in self.inside)
     block_dims = {k: self.dims[key] if key in self.inside else REPLICATED for k, key in keys.items()}
     return gather(block_params, traverse_util.unflatten_dict(block_dims, sep="/"))
 
+  def watch(self, next_fun, args, kwargs, context):
+    """An ``nn.intercept_methods`` interceptor: the innermost module through which Flax's
+    ``ScopeParamShapeError`` passes is the one that was handed a device's shard."""
+    try:
+      return next_fun(*args, **kwargs)
+    except flax.errors.ScopeParamShapeError:
+      if self.failed is None:
+        self.failed = "/".join(context.module.path)
+      raise
+
   def check(self, error: Optional[Exception] = None) -> None:
-    """After the model ran, or raised ``error`` (Flax's shape error, when a leaf that ``pattern`` matches
-    reached a module not built by ``make`` as a device's shard): the error naming ``Task.blocks``."""
-    if error is None:
-      missed = sorted(self.inside - self.gathered)
-    else:
-      found = re.search(r'For parameter "([^"]+)" in "/?([^"]*)"', str(error))
-      key = found and f"{found.group(2)}/{found.group(1)}"
-      missed = [key] if key in self.inside - self.gathered else []
+    """After the model ran, or raised Flax's shape error ``error`` (a leaf that ``pattern`` matches reached a
+    module not built by ``make`` as a device's shard, ``watch``): the error naming ``Task.blocks``."""
+    missed = sorted(self.inside - self.gathered)
+    if error is not None:
+      missed = [k for k in missed if self.failed is not None and k.startswith(self.failed + "/")]
     if missed:
       raise ValueError(
         f"fsdp_gather='block': Task.blocks={self.pattern!r} matches sharded parameters that no block built by "
-        f"ipf_jax.models.blocks.make gathered ({missed[0]!r}{' and more' if len(missed) > 1 else ''}); a "
-        "model's BLOCKS must name only blocks built by it, or set fsdp_gather='particle'"
+        f"ipf_jax.models.blocks.make gathered ({missed[0]!r}{' and more' if len(missed) > 1 else ''}): a "
+        "module the pattern matches is not such a block, or did not run in training; a model's BLOCKS must "
+        "name only blocks built by make that run, or set fsdp_gather='particle'"
       ) from error
     if error is None and self.kept:
       raise ValueError(
         f"fsdp_gather='block' gathers each block as it runs, which holds less only when the blocks are "
-        f"recomputed in the backward pass, and {len(self.kept)} are not (first: {self.kept[0]!r}); set "
+        f"recomputed in the backward pass, and {len(self.kept)} are not (first: {next(iter(self.kept))!r}); set "
         "remat=True (a model of your own: ipf_jax.models.blocks.make(..., remat=True)) or fsdp_gather='particle'"
       )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Optional
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -124,14 +125,14 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
 
 def apply_particle(task: Task, spec: ParticleSpec, params, shared, batch_stats, batch: dict, key, dims=None):
   """One particle's ``task.apply`` in train mode: ``(outputs, batch_stats)``. ``config.fsdp``: its leaves are a
-  device's blocks (``dims``), gathered here; with ``fsdp_gather="block"`` except those of the model's blocks
+  device's shards (``dims``), gathered here; with ``fsdp_gather="block"`` except those of the model's blocks
   (``task.blocks``), which each block gathers as it runs (``models.blocks``: under ``remat`` one block at a
   time)."""
   variables = lambda params: {"params": sharing.merge(params, shared), "batch_stats": batch_stats}
   if not gathers_per_block(spec, task, dims):
     return task.apply(variables(fsdp.gather(params, dims)), batch, True, key)
   gather = fsdp.BlockGather(dims, task.blocks)
-  with blocks.gathering(gather):
+  with blocks.gathering(gather), nn.intercept_methods(gather.watch):
     try:
       result = task.apply(variables(gather.outside(params)), batch, True, key)
     except flax.errors.ScopeParamShapeError as error:

@@ -23,6 +23,7 @@ after ``module.train()`` / ``module.eval()`` (``ipf_jax.spmd.nnx_bridge``).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -81,6 +82,10 @@ class Task:
   def __post_init__(self):
     if self.blocks is None:
       object.__setattr__(self, "blocks", getattr(self.model, "BLOCKS", ""))
+    try:
+      re.compile(self.blocks)
+    except (re.error, TypeError) as error:
+      raise ValueError(f"Task.blocks={self.blocks!r} is not a regex of module paths ({error})") from error
     if nnx_bridge.is_nnx(self.model):  # frozen: the adapted model replaces the one given, once
       if self.blocks:
         raise ValueError(
