@@ -4,6 +4,7 @@
   python -m benchmarks.fsdp_memory --models vit_b16 --dds 1,4 --optimizers adamw   # one row pair
   python -m benchmarks.fsdp_memory --time                             # step time, fsdp / whole (CPU)
   python -m benchmarks.fsdp_memory --blocks --models vit_b16 --dds 8   # remat: gathered per block or whole
+  python -m benchmarks.fsdp_memory --blocks --models vit_b16 --dds 8 --live 10   # and what sets each peak
 
 P = 8 particles, one per group (Dp = 8, L = 1), each group ``Dd`` devices (8 x Dd fake devices, up to 64), so
 a particle is replicated over its group (``fsdp`` off) or sharded over it (on, ``fsdp_min_size_mb`` default).
@@ -20,7 +21,8 @@ digits CNN; a ratio inside one process). ``--blocks``: with ``remat`` and fsdp, 
 gather their own parameters (``fsdp_gather="block"``, ``models.blocks``) against the one that gathers the
 whole particle up front (``"particle"``, the default), 2 particles on ``2 x Dd`` devices: peak and
 temporaries per device under XLA:CPU's defaults and under ``KEEP_REMAT`` (``--no-resampling``: the step
-without its resampling branch). A benchmark, not a test.
+without its resampling branch; ``--live K``: the K largest groups of buffers alive at each program's peak, by
+shape, read from XLA's dump by ``benchmarks.peak_live``). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 OPTIMIZERS = {"adamw": dict(optimizer="adamw", base_lr=1e-3, weight_decay=0.05), "sgd": dict(optimizer="sgd")}
@@ -93,19 +96,21 @@ def timing(args) -> dict:
 
 # XLA:CPU removes remat's optimization barriers and then merges a block's recomputed gather with its forward one
 # (CSE), and its default scheduler favours concurrency over memory: together they keep every gathered block
-# alive until the backward pass. These flags keep the recomputation (measured: 8 blocks of a toy model, 8.0
-# whole kernels of temporaries with the defaults, 2.1 with these; gathered up front, 8.0 with either).
+# alive until the backward pass. These flags keep the recomputation (``benchmarks.remat_gather``: 8 layers of a
+# toy, each gathering its kernel, hold 7.5 kernels of temporaries with the defaults and 2.8 with these; gathered
+# up front, 16 with either: the kernels and their whole gradients).
 KEEP_REMAT = "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_disable_hlo_passes=cse"
 
 
 def blocks_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
   """fsdp with remat on ``2 x dd`` devices (2 particles): the blocks gathered as they run, or the whole particle
   up front; this process's XLA flags are the caller's."""
+  from benchmarks import peak_live
   from benchmarks.common import Bench, memory_mib
   from benchmarks.compression import collective_bytes
   from ipf_jax.config import defaults
 
-  rows = []
+  rows, read = [], set()
   for per_block in (True, False):
     config = defaults.get_config()
     config.update(model=model, num_cpu_devices=0, num_particles=2, particle_axis_size=2, fsdp=True, remat=True)
@@ -122,6 +127,12 @@ def blocks_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
     row = dict(model=model, optimizer=optimizer, dd=dd, per_block=per_block, compile_s=time.perf_counter() - t)
     row["all_gather_mib"] = gathered
     row.update(peak_mib=memory["peak"], temp_mib=memory["temporaries"], state_mib=state_bytes(bench.abstract) / 2**20)
+    if args.live:  # this process dumps to $IPF_JAX_DUMP (run_child): the program just compiled is its largest new one
+      prefix = peak_live.largest_module(os.environ["IPF_JAX_DUMP"], exclude=read)
+      read.add(prefix)
+      live_bytes, buffers = peak_live.live_at_peak(prefix)
+      row.update(live_mib=live_bytes / 2**20, live=peak_live.by_shape(buffers)[: args.live])
+      row["live_module"] = os.path.basename(prefix)
     rows.append(row)
   return rows
 
@@ -131,6 +142,14 @@ def run_child(model: str, optimizer: str, dd: int, args, keep_remat: bool = Fals
   flags = f"--xla_force_host_platform_device_count={devices}" + (f" {KEEP_REMAT}" if keep_remat else "")
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   argv = [sys.executable, "-m", "benchmarks.fsdp_memory", "--child", model, optimizer, str(dd)]
+  if args.live:
+    with tempfile.TemporaryDirectory() as dump:
+      env.update(IPF_JAX_DUMP=dump, XLA_FLAGS=f"{flags} --xla_dump_to={dump}")
+      return run_argv(argv + [f"--live={args.live}"], env, args)
+  return run_argv(argv, env, args)
+
+
+def run_argv(argv: list[str], env: dict, args) -> list[dict]:
   argv += [f"--image_size={args.image_size}", f"--per_device_batch={args.per_device_batch}", f"--dtype={args.dtype}"]
   argv += [] if args.min_size_mb is None else [f"--min_size_mb={args.min_size_mb}"]
   argv += ["--blocks", f"--{'' if args.resampling else 'no-'}resampling"] if args.blocks else []
@@ -185,6 +204,15 @@ def print_blocks(rows: list[dict]) -> None:
       f"{a['temp_mib']:.0f} / {b['temp_mib']:.0f} | {a['all_gather_mib']:.0f} / {b['all_gather_mib']:.0f} | "
       f"{a['state_mib']:.0f} |"
     )
+  from benchmarks import peak_live
+
+  for r in rows:
+    if "live" in r:
+      layout = "per block" if r["per_block"] else "whole"
+      print(
+        f"\n{r['model']} {r['optimizer']} Dd={r['dd']} {r['xla']}, {layout}: peak {r['peak_mib']:,.0f} MiB;", end=" "
+      )
+      peak_live.print_groups(r["live_mib"] * 2**20, r["live"], len(r["live"]))
 
 
 def main():
@@ -204,10 +232,13 @@ def main():
   parser.add_argument(
     "--resampling", action=argparse.BooleanOptionalAction, default=True, help="--blocks: the step's resampling branch"
   )
+  parser.add_argument("--live", type=int, default=0, help="--blocks: the K largest groups live at each peak")
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.blocks and not args.compile:
     parser.error("--blocks compares the compiled step's peaks: drop --no-compile")
+  if args.live and not args.blocks:
+    parser.error("--live reads what sets the peaks --blocks compiles: add --blocks")
   args.optimizers = args.optimizers or ("adamw" if args.blocks else "adamw,sgd")
   if args.time:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()

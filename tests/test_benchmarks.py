@@ -255,6 +255,7 @@ def test_fashion_mnist_input_tiny(fashion_dir):
   "module,args,message",
   [
     ("benchmarks.fsdp_memory", ["--blocks", "--no-compile"], "--blocks compares the compiled step's peaks"),
+    ("benchmarks.fsdp_memory", ["--live", "5"], "--live reads what sets the peaks --blocks compiles"),
     ("benchmarks.fashion_mnist", ["--vit", "64,6,0,7"], "four positive integers"),
     ("benchmarks.fashion_mnist", ["--vit", "64,6,4,7", "--cnn_features", "4,8"], "give one of them"),
   ],
@@ -263,3 +264,37 @@ def test_benchmark_arguments_that_cannot_run_are_refused(module, args, message):
   """One parser error (exit 2) naming what to change, before anything is built."""
   r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_peak_live_names_the_buffers_alive_at_a_known_peak(tmp_path):
+  """A program whose peak holds its input and three outputs of one shape, all at once (the outputs are the
+  program's result): the tool finds those four and only buffers that fit beside them (scalars at most)."""
+  from benchmarks import peak_live
+
+  program = (
+    "import jax, jax.numpy as jnp\n"
+    "f = jax.jit(lambda a: (a * 2.0, jnp.sin(a), jnp.exp(a)))\n"
+    "jax.block_until_ready(f(jnp.ones((128, 64), jnp.float32)))\n"
+  )
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}")
+  r = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  peak, buffers = peak_live.live_at_peak(peak_live.modules(str(tmp_path))["jit__lambda"])
+  groups = {g["shape"]: g for g in peak_live.by_shape(buffers)}
+  assert groups["f32[128,64]"]["count"] == 4, groups  # the input and the three outputs (a tuple's elements)
+  assert groups["f32[128,64]"]["mib"] * 2**20 == 4 * 128 * 64 * 4
+  assert peak == sum(b["bytes"] for b in buffers) and peak - 4 * 128 * 64 * 4 < 64, "nothing else of size"
+  assert {b["shape"] for b in buffers} <= {"f32[128,64]", "f32[]", "(f32[128,64], f32[128,64], f32[128,64])"}
+  with pytest.raises(FileNotFoundError, match="xla_dump_to"):
+    peak_live.largest_module(str(tmp_path / "empty"))
+
+
+def test_remat_gather_toy_holds_fewer_kernels_when_each_layer_gathers_its_own():
+  """The block-wise gather's mechanism, compiled: with the recomputation kept, the gradient of layers that
+  gather their own kernels holds a few kernels whole at a time; gathered up front, two per layer (the kernels and
+  their whole gradients), in both XLA settings."""
+  s = run_module("benchmarks.remat_gather", "--layers", "4", "--width", "64", "--devices", "2")
+  rows = s["rows"]
+  assert set(rows) == {"defaults", "KEEP_REMAT"}
+  assert all(r["up front"] >= 2 * 4 for r in rows.values()), rows
+  assert rows["KEEP_REMAT"]["per layer"] < 0.5 * rows["KEEP_REMAT"]["up front"], rows
