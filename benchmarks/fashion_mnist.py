@@ -280,6 +280,13 @@ def main():
   sizes = args.vit.split(",") if args.vit else []
   if args.vit and (len(sizes) != 4 or not all(x.strip().isdigit() and int(x) > 0 for x in sizes)):
     parser.error(f"--vit {args.vit!r}: four positive integers, width,depth,heads,patch (e.g. 64,6,4,7)")
+  if args.vit:
+    width, _, heads, patch = (int(x) for x in sizes)
+    if width % heads:
+      parser.error(f"--vit {args.vit!r}: the width {width} must be a multiple of the heads {heads} (each a slice)")
+    if 28 % patch:
+      parser.error(f"--vit {args.vit!r}: the patch {patch} must divide Fashion-MNIST's 28 x 28 (1, 2, 4, 7, 14, 28)")
+    args.vit = ",".join(str(int(x)) for x in sizes)  # one spelling, for --resume's match of earlier rows
   if args.vit and args.cnn_features:
     parser.error("--cnn_features sizes the CNN, and --vit trains a ViT instead: give one of them")
   joined = start_study(parser, args, METHODS)

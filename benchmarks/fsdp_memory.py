@@ -131,7 +131,7 @@ def blocks_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
       prefix = peak_live.largest_module(os.environ["IPF_JAX_DUMP"], exclude=read)
       read.add(prefix)
       live_bytes, buffers = peak_live.live_at_peak(prefix)
-      row.update(live_mib=live_bytes / 2**20, live=peak_live.by_shape(buffers)[: args.live])
+      row.update(live_mib=live_bytes / 2**20, live_buffers=len(buffers), live=peak_live.by_shape(buffers)[: args.live])
       row["live_module"] = os.path.basename(prefix)
     rows.append(row)
   return rows
@@ -212,7 +212,7 @@ def print_blocks(rows: list[dict]) -> None:
       print(
         f"\n{r['model']} {r['optimizer']} Dd={r['dd']} {r['xla']}, {layout}: peak {r['peak_mib']:,.0f} MiB;", end=" "
       )
-      peak_live.print_groups(r["live_mib"] * 2**20, r["live"], len(r["live"]))
+      peak_live.print_groups(r["live_mib"] * 2**20, r["live_buffers"], r["live"], len(r["live"]))
 
 
 def main():

@@ -46,32 +46,65 @@ def _shape_at(shape: str, index: str) -> str:
   return re.sub(r"\{[^}]*\}", "", shape)  # layouts off: f32[8,197]{1,0} -> f32[8,197]
 
 
+def _strip_comments(shape: str) -> str:
+  """A long tuple's shape carries ``/*index=5*/`` comments between its elements."""
+  return re.sub(r"/\*.*?\*/", "", shape)
+
+
 def modules(dump_dir: str) -> dict[str, str]:
-  """Module name -> the prefix of its files, for each program in ``dump_dir`` that XLA wrote a live range for."""
+  """``module_NNNN.name`` -> the prefix of its files, for each program in ``dump_dir`` with a live range.
+
+  Keyed by XLA's numbered name, not the function's: two programs of one name (two compiles of ``jit_step``)
+  are two entries.
+  """
   found = {}
   for path in glob.glob(os.path.join(dump_dir, "*-live-range.txt")):
-    prefix = path[: -len("-live-range.txt")]
-    found[os.path.basename(prefix).split(".", 2)[1]] = prefix  # module_0042.jit_step.cpu_after_optimizations
+    prefix = path[: -len("-live-range.txt")]  # .../module_0042.jit_step.cpu_after_optimizations
+    number, rest = os.path.basename(prefix).split(".", 1)
+    found[f"{number}.{rest.rsplit('.', 1)[0]}"] = prefix  # the name may hold dots; the last part is the stage
   return found
 
 
+def find_module(dump_dir: str, name: str) -> str:
+  """The file prefix of ``name``: a numbered name (``module_0042.jit_step``), or a function's name when only one
+  program in the dump has it."""
+  found = modules(dump_dir)
+  if name in found:
+    return found[name]
+  matches = [k for k in found if k.split(".", 1)[1] == name]
+  if len(matches) == 1:
+    return found[matches[0]]
+  listing = ", ".join(sorted(found)) or "none"
+  if matches:
+    raise KeyError(f"{len(matches)} programs in {dump_dir} are named {name!r}: give one of {', '.join(matches)}")
+  raise KeyError(f"no program {name!r} in {dump_dir}; it has: {listing}")
+
+
 def largest_module(dump_dir: str, exclude: set[str] = frozenset()) -> str:
-  """The program with the largest optimized HLO in ``dump_dir`` (its file prefix), skipping ``exclude``."""
+  """The file prefix of the program with the largest optimized HLO in ``dump_dir``, skipping the prefixes in
+  ``exclude``."""
   prefixes = [p for p in modules(dump_dir).values() if p not in exclude]
   if not prefixes:
-    raise FileNotFoundError(f"no *-live-range.txt in {dump_dir}: run the program with XLA_FLAGS=--xla_dump_to=DIR")
+    raise FileNotFoundError(
+      f"no new *-live-range.txt in {dump_dir}: run the program with "
+      "XLA_FLAGS=--xla_dump_to=DIR (an XLA that writes no *-live-range.txt cannot be read)"
+    )
   return max(prefixes, key=lambda p: os.path.getsize(p + ".txt"))
 
 
 def live_at_peak(prefix: str) -> tuple[int, list[dict]]:
-  """(peak bytes, the buffers live at the peak): each a dict of name, bytes, shape and the JAX ``op``."""
+  """(bytes live at the peak instruction, those buffers): each a dict of name, bytes, shape and the JAX ``op``.
+
+  The bytes are the sum of the listed buffers, the live set XLA's heap simulator reports; ``memory_analysis()``'s
+  peak also counts the arguments and outputs, so it can be larger.
+  """
   with open(prefix + ".txt") as f:
     hlo = {}
     for line in f:
       m = _INSTRUCTION.match(line)
       if m:
         op = _OP_NAME.search(line)
-        hlo[m["name"]] = (m["shape"], op[1] if op else "")
+        hlo[m["name"]] = (_strip_comments(m["shape"]), op[1] if op else "")
   rows, at_peak = [], False
   with open(prefix + "-live-range.txt") as f:
     for line in f:
@@ -101,8 +134,9 @@ def by_shape(rows: list[dict]) -> list[dict]:
   return sorted(out, key=lambda g: -g["mib"])
 
 
-def print_groups(peak: int, groups: list[dict], top: int) -> None:
-  print(f"live at the peak: {peak / 2**20:,.0f} MiB in {sum(g['count'] for g in groups)} buffers")
+def print_groups(live: int, buffers: int, groups: list[dict], top: int) -> None:
+  """The top ``top`` groups, under a line of all ``buffers`` live (``live`` bytes)."""
+  print(f"live at the peak: {live / 2**20:,.0f} MiB in {buffers} buffers")
   print("| shape | buffers | MiB | an op that made one |")
   print("|---|---|---|---|")
   for g in groups[:top]:
@@ -113,16 +147,18 @@ def print_groups(peak: int, groups: list[dict], top: int) -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("dump_dir")
-  parser.add_argument("--module", default="", help="a module name (e.g. jit_train_step); default: the largest")
+  parser.add_argument(
+    "--module", default="", help="module_0042.jit_step, or jit_step when only one has that name; default: the largest"
+  )
   parser.add_argument("--top", type=int, default=12)
   args = parser.parse_args()
-  found = modules(args.dump_dir)
-  if args.module and args.module not in found:
-    parser.error(f"--module {args.module!r} is not in {args.dump_dir}; it has: {', '.join(sorted(found))}")
-  prefix = found[args.module] if args.module else largest_module(args.dump_dir)
-  peak, rows = live_at_peak(prefix)
+  try:
+    prefix = find_module(args.dump_dir, args.module) if args.module else largest_module(args.dump_dir)
+  except (KeyError, FileNotFoundError) as e:
+    parser.error(str(e.args[0]))
+  live, rows = live_at_peak(prefix)
   print(os.path.basename(prefix))
-  print_groups(peak, by_shape(rows), args.top)
+  print_groups(live, len(rows), by_shape(rows), args.top)
 
 
 if __name__ == "__main__":

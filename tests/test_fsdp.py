@@ -277,6 +277,7 @@ def test_vit_b16_state_per_device_at_dd_8_is_an_eighth():
     (dict(fsdp_min_size_mb=-1.0), r"config.fsdp_min_size_mb: must be >= 0"),
     (dict(fsdp_gather="layer"), r"config.fsdp_gather: .*'layer'.*particle.*block"),
     (dict(fsdp=False, fsdp_gather="block"), r"config.fsdp_gather: ='block' .* set fsdp=True"),
+    (dict(model="resnet_tiny", fsdp_gather="block"), r"config.fsdp_gather: .* resnet_tiny .* set remat=True"),
   ],
 )
 def test_fsdp_errors_name_the_field(overrides, match):
@@ -303,7 +304,8 @@ def test_the_particle_axis_is_not_data_s():
   [
     ("block", r"b\d", {"b0": {"k": 1}}, "each block gathers its own"),
     ("block", "", {"b0": {"k": 1}}, "gathered whole: fsdp_gather='block', but the model declares no blocks"),
-    ("block", r"b\d", {"b0": {"k": -1}}, "gathered whole: fsdp_gather='block', but no leaf is sharded"),
+    ("block", r"b\d", {"b0": {"k": -1}}, "gathered whole: fsdp_gather='block', but no leaf of the blocks is sharded"),
+    ("block", r"b\d", {"b0": {"k": -1}, "head": {"k": 1}}, "gathered whole: fsdp_gather='block', but no leaf of the"),
     ("particle", r"b\d", {"b0": {"k": 1}}, "gathered whole for each forward pass"),
   ],
 )

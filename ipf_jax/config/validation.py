@@ -13,6 +13,7 @@ from typing import Optional
 import jax
 import ml_collections
 
+from ipf_jax import models
 from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
 from ipf_jax.population import exchange
 from ipf_jax.spmd import mesh as mesh_lib
@@ -149,6 +150,12 @@ def _validate_fsdp(config: ml_collections.ConfigDict) -> None:
   )
   if not config.fsdp:
     return
+  _check(
+    config.fsdp_gather == "particle" or config.remat or config.model not in models.BLOCKED,
+    "fsdp_gather",
+    f"='block' gathers each block of {config.model} as it runs, which holds less only when the blocks are "
+    "recomputed in the backward pass; set remat=True or fsdp_gather='particle'",
+  )
   _check(
     config.optimizer in ELEMENTWISE,
     "fsdp",

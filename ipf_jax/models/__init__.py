@@ -23,6 +23,7 @@ RESNETS = {
   "resnet_tiny": resnet.ResNetTiny,
 }
 MODELS = ("cnn",) + tuple(RESNETS) + tuple(vit.VARIANTS)
+BLOCKED = tuple(RESNETS) + tuple(vit.VARIANTS)  # the models whose blocks are built by blocks.make (BLOCKS)
 # The config fields that rebuild a zoo model (an export stores them with the number of classes).
 MODEL_FIELDS = (
   "model",

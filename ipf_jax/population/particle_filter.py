@@ -2,7 +2,7 @@
 
 Pure functions. The weight math works on all ``P`` particles' values, which the
 train step gathers once per step (``gather_all``); ``gather_all``, ``jitter``
-and ``resample`` run inside ``shard_map`` on the local ``[L]`` block of the
+and ``resample`` run inside ``shard_map`` on the local ``[L]`` slice of the
 particle axis and communicate over the named mesh axis. ``resample`` moves the
 particles with an exchange from ``exchange.py``.
 """
@@ -114,7 +114,7 @@ def adaptive_temperature(
 
 
 def gather_all(x, axis_name: str):
-  """All particles' ``[P]`` values from each device's ``[L]`` block, typed as
+  """All particles' ``[P]`` values from each device's ``[L]`` slice, typed as
   identical on every device (``all_gather`` is typed device-varying, which
   ``lax.cond`` would reject): a scatter into zeros, then ``psum``."""
   num_local = x.shape[0]
@@ -196,7 +196,7 @@ def jitter(params, src, key, sigma: float, axis_name: str, shards: Optional[tupl
   compiles one RNG per leaf inside the resampling branch (+6 s per compile of the digits step, measured).
   Slots are drawn one at a time: the temporaries (the random bits, the normals, their pieces) are a few
   particles' weights in float32 (5x, compiled alone for the digits CNN), whatever ``L`` and the mesh.
-  Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` blocks. ``shards`` = ``(dims,
+  Runs inside ``shard_map``; ``params`` leaves are the local ``[L, ...]`` slices. ``shards`` = ``(dims,
   axis)`` when some leaves are shards of a particle sharded over ``axis`` (``fsdp.shards``: each leaf's sharded
   dimension of its ``[P, ...]`` leaf, or -1): the whole particle's noise is drawn and each device keeps its
   shard, so the copies are the same as with whole particles.

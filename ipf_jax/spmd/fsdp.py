@@ -26,6 +26,7 @@ import re
 from typing import Any, Optional
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +35,7 @@ from flax import traverse_util
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ipf_jax.models import blocks
 from ipf_jax.spmd.mesh import DATA, PARTICLE
 
 REPLICATED = -1  # ``dims`` entry of a leaf that every device of the group holds whole
@@ -158,14 +160,22 @@ class BlockGather:
   (``models.blocks``; ``pattern``, ``Task.blocks``: the regex that the ``/``-joined module path of each
   block matches whole, ``re.fullmatch``).
 
+  Used as a context manager around one trace of the model::
+
+    with BlockGather(dims, task.blocks) as gather:
+      outputs = task.apply({"params": gather.outside(params), ...}, ...)
+
   ``outside(params)``: the particle with its leaves outside the blocks gathered and the blocks' left as
-  a device's shards. ``gather(path, block_params, remat)`` (what ``models.blocks.gathering`` installs): the
-  whole parameters of the block at ``path`` (leaves ``dims`` does not hold, the shared ones, are whole).
-  ``watch`` (for ``nn.intercept_methods``) notes the module in which Flax's shape error surfaced.
-  ``check()``, after the model ran: every sharded leaf inside the blocks was gathered by its block, and the
-  blocks are recomputed in the backward pass (without it each gathered block is kept for the backward
-  pass, as the whole particle is by ``fsdp_gather="particle"``, and the second gather buys nothing). A
-  ``pattern`` that does not describe the model's blocks is named, not left to a shape error."""
+  a device's shards. Inside the ``with``, each block built by ``models.blocks.make`` calls
+  ``gather(path, block_params, remat)`` as it runs: the whole parameters of the block at ``path`` (leaves
+  ``dims`` does not hold, the shared ones, are whole). On leaving, ``check()``: every sharded leaf inside
+  the blocks was gathered by its block, and the blocks are recomputed in the backward pass (without it
+  each gathered block is kept for the backward pass, as the whole particle is by
+  ``fsdp_gather="particle"``, and the second gather buys nothing). A ``pattern`` that does not describe
+  the model's blocks is named, not left to a shape error: when Flax's shape error leaves the ``with``,
+  ``watch`` (an ``nn.intercept_methods`` interceptor) has noted the module handed a shard. Other misuses
+  of a shard (arithmetic on it outside a module, a module nested in a block that reads its parent's
+  parameters) surface as JAX's or Flax's own error."""
 
   def __init__(self, dims, pattern: str):
     self.pattern = pattern
@@ -174,6 +184,21 @@ class BlockGather:
     self.gathered: set[str] = set()
     self.kept: dict[str, None] = {}  # the blocks that ran without remat, in order
     self.failed: Optional[str] = None  # the module whose parameters Flax found the wrong shape
+    self._installed: Optional[contextlib.ExitStack] = None
+
+  def __enter__(self) -> "BlockGather":
+    self._installed = contextlib.ExitStack()
+    self._installed.enter_context(blocks.gathering(self))
+    self._installed.enter_context(nn.intercept_methods(self.watch))
+    return self
+
+  def __exit__(self, kind, error, traceback) -> bool:
+    self._installed.close()
+    if error is None:
+      self.check()
+    elif isinstance(error, flax.errors.ScopeParamShapeError):
+      self.check(error)  # a leaf that the pattern matches reached a module not built by blocks.make
+    return False
 
   def _in_block(self, key: str) -> bool:
     """Whether the leaf ``key`` lies inside a module whose path ``pattern`` matches whole."""
@@ -184,7 +209,7 @@ class BlockGather:
     flat = {k: REPLICATED if k in self.inside else d for k, d in self.dims.items()}
     return gather(params, traverse_util.unflatten_dict(flat, sep="/"))
 
-  def __call__(self, path: tuple, block_params, remat: bool = True):
+  def __call__(self, path: tuple, block_params, remat: bool):
     name = "/".join(path)
     if not re.fullmatch(self.pattern, name):
       raise ValueError(

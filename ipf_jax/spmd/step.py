@@ -20,15 +20,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ipf_jax.models import blocks
 from ipf_jax.population import compression, correction
 from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import particle_filter as pf
@@ -131,21 +128,16 @@ def apply_particle(task: Task, spec: ParticleSpec, params, shared, batch_stats, 
   variables = lambda params: {"params": sharing.merge(params, shared), "batch_stats": batch_stats}
   if not gathers_per_block(spec, task, dims):
     return task.apply(variables(fsdp.gather(params, dims)), batch, True, key)
-  gather = fsdp.BlockGather(dims, task.blocks)
-  with blocks.gathering(gather), nn.intercept_methods(gather.watch):
-    try:
-      result = task.apply(variables(gather.outside(params)), batch, True, key)
-    except flax.errors.ScopeParamShapeError as error:
-      gather.check(error)  # a leaf that task.blocks matches reached a module not built by blocks.make
-      raise
-  gather.check()
-  return result
+  with fsdp.BlockGather(dims, task.blocks) as gather:
+    return task.apply(variables(gather.outside(params)), batch, True, key)
 
 
 def gathers_per_block(spec: ParticleSpec, task: Task, dims) -> bool:
   """Whether ``apply_particle`` leaves the model's blocks to gather their own parameters: ``fsdp_gather=
-  "block"``, a model that declares its blocks (``task.blocks``) and a sharded particle (``dims``)."""
-  return spec.fsdp_gather == "block" and bool(task.blocks) and fsdp.is_sharded(dims)
+  "block"``, a model that declares its blocks (``task.blocks``) and a leaf of them sharded (``dims``)."""
+  if spec.fsdp_gather != "block" or not task.blocks or not fsdp.is_sharded(dims):
+    return False
+  return bool(fsdp.BlockGather(dims, task.blocks).inside)
 
 
 def how_gathered(spec: ParticleSpec, task: Task, dims) -> str:
@@ -155,7 +147,7 @@ def how_gathered(spec: ParticleSpec, task: Task, dims) -> str:
   if spec.fsdp_gather == "block" and not task.blocks:
     return "gathered whole: fsdp_gather='block', but the model declares no blocks (Task.blocks)"
   if spec.fsdp_gather == "block":
-    return "gathered whole: fsdp_gather='block', but no leaf is sharded"
+    return "gathered whole: fsdp_gather='block', but no leaf of the blocks is sharded"
   return "gathered whole for each forward pass"
 
 
