@@ -98,7 +98,7 @@ def timing(args) -> dict:
 # (CSE), and its default scheduler favours concurrency over memory: together they keep every gathered block
 # alive until the backward pass. These flags keep the recomputation (``benchmarks.remat_gather``: 8 layers of a
 # toy, each gathering its kernel, hold 7.5 kernels of temporaries with the defaults and 2.8 with these; gathered
-# up front, 16 with either: the kernels and their whole gradients).
+# up front, one gather a kernel, 7.5 with either).
 KEEP_REMAT = "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_disable_hlo_passes=cse"
 
 

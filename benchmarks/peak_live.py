@@ -1,7 +1,7 @@
 """What is alive at a compiled program's memory peak, read from XLA's dump: which buffers set the peak.
 
   XLA_FLAGS=--xla_dump_to=/tmp/dump python my_program.py
-  python -m benchmarks.peak_live /tmp/dump [--module train_step] [--top 12]
+  python -m benchmarks.peak_live /tmp/dump [--module module_0008.jit_call] [--top 12]
 
 ``memory_analysis()`` gives a compiled program's peak as one number; XLA's own dump says which values make it:
 ``*-live-range.txt`` lists every buffer live at the peak instruction ("Live ranges at T (peak)") with its size,
@@ -23,6 +23,7 @@ import re
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+[\w\-]+\(")
 _LIVE = re.compile(r"^\s+(?P<name>[^\s{]+)\{(?P<index>[\d,]*)\}: (?P<bytes>\d+) bytes")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_STAGE = re.compile(r"\.(?:sm_[\d.]+_)?\w*after_optimizations$")
 
 
 def _tuple_elements(shape: str) -> list[str]:
@@ -60,8 +61,8 @@ def modules(dump_dir: str) -> dict[str, str]:
   found = {}
   for path in glob.glob(os.path.join(dump_dir, "*-live-range.txt")):
     prefix = path[: -len("-live-range.txt")]  # .../module_0042.jit_step.cpu_after_optimizations
-    number, rest = os.path.basename(prefix).split(".", 1)
-    found[f"{number}.{rest.rsplit('.', 1)[0]}"] = prefix  # the name may hold dots; the last part is the stage
+    name = _STAGE.sub("", os.path.basename(prefix))  # a GPU's stage holds dots: .sm_9.0_gpu_after_optimizations
+    found[name] = prefix
   return found
 
 

@@ -15,7 +15,8 @@ import pytest
 
 import ipf_jax
 from ipf_jax.config import validation
-from ipf_jax.models import vit
+from ipf_jax import models
+from ipf_jax.models import blocks, vit
 from ipf_jax.runtime import checkpoint as checkpoint_lib
 from ipf_jax.spmd import fsdp
 from ipf_jax.spmd import state as state_lib
@@ -278,12 +279,33 @@ def test_vit_b16_state_per_device_at_dd_8_is_an_eighth():
     (dict(fsdp_gather="layer"), r"config.fsdp_gather: .*'layer'.*particle.*block"),
     (dict(fsdp=False, fsdp_gather="block"), r"config.fsdp_gather: ='block' .* set fsdp=True"),
     (dict(model="resnet_tiny", fsdp_gather="block"), r"config.fsdp_gather: .* resnet_tiny .* set remat=True"),
+    (dict(model="vit_ti16", fsdp_gather="block"), r"config.fsdp_gather: .* vit_ti16 .* set remat=True"),
   ],
 )
 def test_fsdp_errors_name_the_field(overrides, match):
   config = helpers.tiny_config(**{"fsdp": True, **overrides})
   with pytest.raises(validation.ConfigError, match=match):
     validation.validate(config, jax.device_count())
+
+
+@pytest.mark.parametrize("model,remat", [("resnet_tiny", True), ("vit_ti16", True), ("cnn", False)])
+def test_fsdp_gather_block_is_accepted_with_remat_or_without_blocks(model, remat):
+  """The remat check above asks only of the zoo's models whose blocks gather their own (the CNN has none:
+  its run logs that it is gathered whole)."""
+  config = helpers.tiny_config(fsdp=True, fsdp_gather="block", model=model, remat=remat)
+  validation.validate(config, jax.device_count())
+
+
+def test_the_models_the_config_checks_for_remat_are_those_with_blocks():
+  """``models.BLOCKED`` (what the config's remat check asks of) is exactly the zoo's models that declare
+  ``BLOCKS``."""
+  config = helpers.tiny_config()
+  declared = set()
+  for name in models.MODELS:
+    config.model = name
+    if getattr(models.create_model(config, 10), "BLOCKS", ""):
+      declared.add(name)
+  assert declared == set(models.BLOCKED) and "cnn" not in declared
 
 
 def test_a_clip_that_sees_part_of_the_particle_is_refused():
@@ -306,6 +328,8 @@ def test_the_particle_axis_is_not_data_s():
     ("block", "", {"b0": {"k": 1}}, "gathered whole: fsdp_gather='block', but the model declares no blocks"),
     ("block", r"b\d", {"b0": {"k": -1}}, "gathered whole: fsdp_gather='block', but no leaf of the blocks is sharded"),
     ("block", r"b\d", {"b0": {"k": -1}, "head": {"k": 1}}, "gathered whole: fsdp_gather='block', but no leaf of the"),
+    # a pattern that matches no module goes per block, so that the first block names it (below)
+    ("block", r"x\d", {"b0": {"k": 1}}, "each block gathers its own"),
     ("particle", r"b\d", {"b0": {"k": 1}}, "gathered whole for each forward pass"),
   ],
 )
@@ -334,6 +358,12 @@ def test_a_block_s_leaves_are_those_under_a_path_the_pattern_matches_whole(patte
   assert gather.inside == {"Transformer/encoderblock_0/k"}
   with pytest.raises(ValueError, match=r"\('Transformer/encoderblock_0/k'\): .* did not run in training"):
     gather.check()
+  with pytest.raises(ValueError, match="did not run in training"):  # leaving the with checks
+    with gather:
+      assert blocks._GATHER.get() is gather
+      with pytest.raises(RuntimeError, match="already in use"):
+        gather.__enter__()
+  assert blocks._GATHER.get() is None  # uninstalled on the way out
   with pytest.raises(ValueError, match=r"Task.blocks=.*is not a regex"):
     dataclasses.replace(small_vit_task(), blocks="encoderblock_(")
 
@@ -345,6 +375,8 @@ def test_a_block_s_leaves_are_those_under_a_path_the_pattern_matches_whole(patte
     (r"Transformer/encoderblock_0", True, r"the block 'Transformer/encoderblock_1' .* not matched by Task.blocks"),
     # a parent of the blocks: its leaves (the blocks', the final norm's) would never be gathered
     (r"Transformer", True, r"the block 'Transformer/encoderblock_0' .* not matched by Task.blocks"),
+    # a pattern that matches no module at all (a typo): named, not a silent gather of the whole particle
+    (r"Transformer/encoder_block_\d+", True, r"the block 'Transformer/encoderblock_0' .* not matched by Task.blocks"),
     # a module not built by blocks.make is named: its leaves would stay a device's shards
     (r"Transformer/encoderblock_\d+|embedding", True, r"matches sharded .* no block .* \('embedding/bias' and more\)"),
     # gathered block by block, but nothing recomputed: the second gather would buy nothing

@@ -187,6 +187,9 @@ class BlockGather:
     self._installed: Optional[contextlib.ExitStack] = None
 
   def __enter__(self) -> "BlockGather":
+    if self._installed is not None:
+      raise RuntimeError("this BlockGather is already in use (a nested with): make one for each trace of the model")
+    self.gathered, self.kept, self.failed = set(), {}, None
     self._installed = contextlib.ExitStack()
     self._installed.enter_context(blocks.gathering(self))
     self._installed.enter_context(nn.intercept_methods(self.watch))
@@ -194,6 +197,7 @@ class BlockGather:
 
   def __exit__(self, kind, error, traceback) -> bool:
     self._installed.close()
+    self._installed = None
     if error is None:
       self.check()
     elif isinstance(error, flax.errors.ScopeParamShapeError):
@@ -204,6 +208,10 @@ class BlockGather:
     """Whether the leaf ``key`` lies inside a module whose path ``pattern`` matches whole."""
     parts = key.split("/")
     return any(re.fullmatch(self.pattern, "/".join(parts[:i])) for i in range(1, len(parts)))
+
+  def matches_any(self) -> bool:
+    """Whether the pattern matches the module path of any leaf, sharded or whole."""
+    return any(self._in_block(k) for k in self.dims)
 
   def outside(self, params):
     flat = {k: REPLICATED if k in self.inside else d for k, d in self.dims.items()}

@@ -134,10 +134,12 @@ def apply_particle(task: Task, spec: ParticleSpec, params, shared, batch_stats, 
 
 def gathers_per_block(spec: ParticleSpec, task: Task, dims) -> bool:
   """Whether ``apply_particle`` leaves the model's blocks to gather their own parameters: ``fsdp_gather=
-  "block"``, a model that declares its blocks (``task.blocks``) and a leaf of them sharded (``dims``)."""
+  "block"``, a model that declares its blocks (``task.blocks``) and a leaf of them sharded (``dims``). A
+  pattern that matches no leaf's module goes per block too, so that the first block names it."""
   if spec.fsdp_gather != "block" or not task.blocks or not fsdp.is_sharded(dims):
     return False
-  return bool(fsdp.BlockGather(dims, task.blocks).inside)
+  gather = fsdp.BlockGather(dims, task.blocks)
+  return bool(gather.inside) or not gather.matches_any()
 
 
 def how_gathered(spec: ParticleSpec, task: Task, dims) -> str:
