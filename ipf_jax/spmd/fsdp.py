@@ -180,7 +180,8 @@ class BlockGather:
   def __init__(self, dims, pattern: str):
     self.pattern = pattern
     self.dims = traverse_util.flatten_dict(dims, sep="/")
-    self.inside = {k for k, d in self.dims.items() if d != REPLICATED and self._in_block(k)}
+    self.matched = {k for k in self.dims if self._in_block(k)}  # the blocks' leaves, sharded or whole
+    self.inside = {k for k in self.matched if self.dims[k] != REPLICATED}
     self.gathered: set[str] = set()
     self.kept: dict[str, None] = {}  # the blocks that ran without remat, in order
     self.failed: Optional[str] = None  # the module whose parameters Flax found the wrong shape
@@ -208,10 +209,6 @@ class BlockGather:
     """Whether the leaf ``key`` lies inside a module whose path ``pattern`` matches whole."""
     parts = key.split("/")
     return any(re.fullmatch(self.pattern, "/".join(parts[:i])) for i in range(1, len(parts)))
-
-  def matches_any(self) -> bool:
-    """Whether the pattern matches the module path of any leaf, sharded or whole."""
-    return any(self._in_block(k) for k in self.dims)
 
   def outside(self, params):
     flat = {k: REPLICATED if k in self.inside else d for k, d in self.dims.items()}

@@ -139,7 +139,7 @@ def gathers_per_block(spec: ParticleSpec, task: Task, dims) -> bool:
   if spec.fsdp_gather != "block" or not task.blocks or not fsdp.is_sharded(dims):
     return False
   gather = fsdp.BlockGather(dims, task.blocks)
-  return bool(gather.inside) or not gather.matches_any()
+  return bool(gather.inside) or not gather.matched
 
 
 def how_gathered(spec: ParticleSpec, task: Task, dims) -> str:
