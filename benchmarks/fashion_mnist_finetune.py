@@ -1,7 +1,7 @@
 """Fine-tuning from one checkpoint, model-soup style, on Fashion-MNIST (issue: ViTs, optimizers, fine-tuning, 5b).
 
   python -m benchmarks.fashion_mnist_finetune --data_dir DIR [--pre_epochs 3] [--epochs 2] [--lr_factor 0.1]
-         [--seed 0] [--out rows.jsonl] [--resume]
+         [--seed 0] [--target fashion_mnist|digits] [--out rows.jsonl] [--resume]
 
 One model is pre-trained with DDP (``configs/fashion_mnist.py``, ``--pre_epochs`` at batch 128, ``--seed``);
 then, at equal compute (the same 8 devices, global batch and steps: ``--epochs`` at batch 128, the
@@ -18,6 +18,13 @@ model (``config.init_from``):
 Columns: the ensemble's accuracy and NLL (DDP: its model), the fused model's (the ensemble's: the uniform soup;
 ipf: the learned soup), the best single member's and the mean member's, the ECE and the shift and OOD
 columns of ``benchmarks/fashion_mnist.py`` (whose ``run_one`` runs each). A benchmark, not a test.
+
+``--target digits``, the transfer variant: the same pre-trained model fine-tuned on scikit-learn's digits
+upscaled to 28 x 28 (``digits.load(28)``: the 1,347 / 450 split of ``configs/digits.py``; ``--epochs`` counts
+the 1,347), a new label set, so every method starts with a new head (``TRANSFER``: ddp and ipf one, shared by
+their particles; the deep ensemble one per member), beside the same model trained on the digits alone (ddp
+from scratch, the config's learning rate and warmup). No shifted or OOD columns (those sets are
+Fashion-MNIST's).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np  # noqa: E402
 from benchmarks import fashion_mnist as study  # noqa: E402
 from benchmarks.common import print_summary  # noqa: E402
 from configs import fashion_mnist  # noqa: E402
+from ipf_jax.data import digits  # noqa: E402
 from ipf_jax.runtime import trainer  # noqa: E402
 
 HEAD = "^Dense_0/"  # the CNN's classifier
@@ -42,6 +50,18 @@ METHODS = {
   "deep ensemble of fine-tunes (fresh heads)": dict(mode="ensemble", num_particles=8, init_reinit=HEAD),
   "ipf from it": dict(mode="ipf"),
   "ipf from it (correction=1 + ess_target=0.5)": dict(mode="ipf", correction=1.0, ess_target=0.5),
+}
+# --target digits: a new label set, so every fine-tune gets a new head (ddp and ipf one, shared by the particles
+# as config.init="auto" says; the deep ensemble one per member); and the same model trained on the digits alone
+SCRATCH = "ddp from scratch (no pre-training)"
+TRANSFER = {
+  SCRATCH: dict(mode="ddp", num_particles=1),
+  "one fine-tune (ddp; new head)": dict(mode="ddp", num_particles=1, init_reinit=HEAD),
+  "deep ensemble of fine-tunes (fresh heads)": dict(mode="ensemble", num_particles=8, init_reinit=HEAD),
+  "ipf from it (new head)": dict(mode="ipf", init_reinit=HEAD),
+  "ipf from it (new head; correction=1 + ess_target=0.5)": dict(
+    mode="ipf", correction=1.0, ess_target=0.5, init_reinit=HEAD
+  ),
 }
 COLUMNS = [
   ("ens_acc", 100, ".2f"),
@@ -72,13 +92,19 @@ def pretrain(args, workdir: str) -> tuple[str, float, float]:
   return workdir, float(r["ensemble"]["accuracy"]), float(r["ensemble"]["nll"])
 
 
-def finetune_row(args, method: str, start: str, workdir: str) -> dict:
+def finetune_row(args, method: str, start: str, workdir: str, data=None) -> dict:
+  """One fine-tune from ``start`` (on ``data`` when given: ``--target digits``; ``SCRATCH`` starts fresh at the
+  config's learning rate)."""
   base = fashion_mnist.get_config()
-  overrides = dict(METHODS[method], init_from=start, base_lr=base.base_lr * args.lr_factor)
-  overrides.update(warmup_epochs=0.0, warmup_steps=0)
-  row = study.run_one(args, method, args.seed, workdir, overrides)
+  methods = METHODS if data is None else TRANSFER
+  if method == SCRATCH:
+    overrides = dict(methods[method])
+  else:
+    overrides = dict(methods[method], init_from=start, base_lr=base.base_lr * args.lr_factor)
+    overrides.update(warmup_epochs=0.0, warmup_steps=0)
+  row = study.run_one(args, method, args.seed, workdir, overrides, data=data)
   fused = row["single_acc"], row["single_nll"]  # run_one's single model: ddp, ipf: the fused one
-  if METHODS[method]["mode"] == "ensemble":  # run_one reports the mean member there; the soup is the fused model
+  if methods[method]["mode"] == "ensemble":  # run_one reports the mean member there; the soup is the fused model
     results = json.load(open(os.path.join(workdir, "eval_results.json")))
     fused = results["fused"]["accuracy"], results["fused"]["nll"]
   best = int(np.argmax(row["particles_acc"]))
@@ -91,13 +117,16 @@ def finetune_row(args, method: str, start: str, workdir: str) -> dict:
     "mean_acc": float(np.mean(row["particles_acc"])),
     "lr_factor": args.lr_factor,
     "pre_epochs": args.pre_epochs,
+    "target": args.target,
   }
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| method | " + " | ".join(c for c, _, _ in COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+  """A markdown row per run, without the columns no run has (the digits have no shifted or OOD sets)."""
+  cols = [col for col in COLUMNS if any(np.isfinite(r[col[0]]) for r in rows)]
+  lines = ["| method | " + " | ".join(c for c, _, _ in cols) + " |", "|" + "---|" * (len(cols) + 1)]
   for r in rows:
-    lines.append(f"| {r['method']} | " + " | ".join(f"{r[c] * s:{f}}" for c, s, f in COLUMNS) + " |")
+    lines.append(f"| {r['method']} | " + " | ".join(f"{r[c] * s:{f}}" for c, s, f in cols) + " |")
   return "\n".join(lines)
 
 
@@ -109,6 +138,13 @@ def main():
   parser.add_argument("--lr_factor", type=float, default=0.1)
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--seed", type=int, default=0, help="the pre-training's and every fine-tune's")
+  parser.add_argument(
+    "--target",
+    choices=("fashion_mnist", "digits"),
+    default="fashion_mnist",
+    help="fine-tune on: Fashion-MNIST (the soup study), or scikit-learn's digits at 28 x 28 with a new head "
+    "(the transfer variant; --epochs then counts the digits' 1,347 training images)",
+  )
   parser.add_argument("--steps", type=int, default=0, help="pre-train and fine-tune this many steps (smoke runs)")
   parser.add_argument("--methods", default=",".join(METHODS), help="a comma list of: " + ", ".join(METHODS))
   parser.add_argument("--shift_examples", type=int, default=500)
@@ -116,11 +152,16 @@ def main():
   parser.add_argument("--cnn_features", default="", help="e.g. 4,8 (smoke runs; the tables use the config's)")
   parser.add_argument("--out", default="", help="append each run's row here (JSON lines)")
   parser.add_argument("--resume", action="store_true", help="skip the methods --out has for this set-up")
+  parser.set_defaults(vit="")  # study.run_one's --vit: the config's CNN
   args = parser.parse_args()
-  methods = study.start_study(parser, args, METHODS)
+  if args.target == "digits" and args.methods == parser.get_default("methods"):
+    args.methods = ",".join(TRANSFER)
+  methods = study.start_study(parser, args, METHODS if args.target == "fashion_mnist" else TRANSFER)
+  data = digits.load(28) if args.target == "digits" else None
+  steps = study.run_steps(args, study.TRAIN_SIZE if data is None else data.train_size)
   same = lambda r: (
-    (r["epochs"], r["pre_epochs"], r["lr_factor"], r["steps"], r.get("seed", 0))
-    == (args.epochs, args.pre_epochs, args.lr_factor, study.run_steps(args), args.seed)
+    (r["epochs"], r["pre_epochs"], r["lr_factor"], r["steps"], r.get("seed", 0), r.get("target", "fashion_mnist"))
+    == (args.epochs, args.pre_epochs, args.lr_factor, steps, args.seed, args.target)
   )
   rows = [r for r in study.previous_rows(args) if same(r)]  # the rows of this set-up already measured
   done = {r["method"] for r in rows}
@@ -130,7 +171,8 @@ def main():
     for method in methods:
       if method in done:
         continue
-      row = dict(finetune_row(args, method, start, os.path.join(tmp, f"{len(rows)}")), pre_acc=pre_acc, pre_nll=pre_nll)
+      row = finetune_row(args, method, start, os.path.join(tmp, f"{len(rows)}"), data)
+      row = dict(row, pre_acc=pre_acc, pre_nll=pre_nll)
       rows.append(row)
       if args.out:
         with open(args.out, "a") as f:
@@ -138,8 +180,9 @@ def main():
       print(f"done {method}: ens {100 * row['ens_acc']:.2f}% fused {100 * row['fused_acc']:.2f}%", flush=True)
   rows = [r for r in rows if r["method"] in methods]
   print(
-    f"\nFashion-MNIST fine-tuning: {args.pre_epochs:g} epochs of DDP, then {args.epochs:g} epochs at "
-    f"{args.lr_factor:g}x the learning rate, global batch {args.batch}, 8 CPU devices, seed {args.seed}\n"
+    f"\nFashion-MNIST fine-tuning: {args.pre_epochs:g} epochs of DDP, then {args.epochs:g} epochs of "
+    f"{args.target} ({steps} steps) at {args.lr_factor:g}x the learning rate, global batch {args.batch}, "
+    f"8 CPU devices, seed {args.seed}\n"
   )
   print(table(rows))
   print_summary({"benchmark": "fashion_mnist_finetune", "rows": rows})

@@ -11,7 +11,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_module(module, *args, devices=1):
+def run_module(module, *args, devices=1, output=False):
+  """The SUMMARY line's object of ``python -m module args`` on ``devices`` fake CPU devices (``output``: and
+  its stdout)."""
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
@@ -22,7 +24,8 @@ def run_module(module, *args, devices=1):
   )
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   line = [x for x in r.stdout.splitlines() if x.startswith("SUMMARY ")][-1]
-  return json.loads(line[len("SUMMARY ") :])
+  summary = json.loads(line[len("SUMMARY ") :])
+  return (summary, r.stdout) if output else summary
 
 
 def test_gpu_resnet50_tiny_on_cpu(tmp_path):
@@ -232,6 +235,28 @@ def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   assert (tmp_path / "c.png").stat().st_size > 0
   again = run_module("benchmarks.fashion_mnist", *args, "--resume", devices=8)  # its row is there: not rerun
   assert again["rows"] == [r]
+
+
+def test_fashion_mnist_finetune_tiny(fashion_dir):
+  """Both targets of the fine-tuning study run end to end: the transfer variant on the digits at 28 x 28 (new
+  heads; no shifted or OOD sets, so no such columns) and the soup study on Fashion-MNIST."""
+  common = ("--data_dir", fashion_dir, "--steps", "4", "--cnn_features", "4,8", "--shift_examples", "20")
+  methods = "ddp from scratch (no pre-training),ipf from it (new head)"
+  s, stdout = run_module(
+    "benchmarks.fashion_mnist_finetune", *common, "--target", "digits", "--methods", methods, devices=8, output=True
+  )
+  scratch, ipf = s["rows"]
+  assert (scratch["method"], ipf["method"]) == tuple(methods.split(","))
+  assert scratch["target"] == ipf["target"] == "digits" and scratch["steps"] == ipf["steps"] == 4
+  assert len(scratch["particles_acc"]) == 1 and len(ipf["particles_acc"]) == 8 and 0 < ipf["pre_acc"] < 1
+  assert all(x != x for x in (ipf["ood_digits"], ipf["shift_ens_acc"]))  # NaN: those sets are Fashion-MNIST's
+  header = [line for line in stdout.splitlines() if line.startswith("| method")][0]
+  assert "ens_acc" in header and "disagreement" in header and "ood_digits" not in header
+
+  s = run_module("benchmarks.fashion_mnist_finetune", *common, "--methods", "one fine-tune (ddp)", devices=8)
+  (soup,) = s["rows"]
+  assert soup["target"] == "fashion_mnist" and soup["steps"] == 4 and 0 < soup["ood_digits"] < 1
+  assert soup["fused_acc"] == soup["ens_acc"]  # one model: its own fused model
 
 
 def test_fashion_mnist_input_tiny(fashion_dir):

@@ -21,6 +21,23 @@ def test_digits_split_is_fixed_and_real():
   assert all(img.reshape(-1).tobytes() in rows for img in data.test["image"][:20])
 
 
+def test_digits_at_28_are_the_same_split_upscaled():
+  """``digits.load(28)`` (the transfer study's fine-tuning set) holds the 8 x 8 split's examples, each
+  upscaled as the OOD set's digits are: the same rows of ``shifts.upscaled_digits``, the same labels."""
+  from sklearn.datasets import load_digits
+
+  from ipf_jax.data import digits, shifts
+
+  small, big = digits.load(), digits.load(28)
+  assert big.name == "digits_28x28" and big.train["image"].shape == (1347, 28, 28, 1)
+  upscaled, images = shifts.upscaled_digits(), load_digits().images.astype(np.float32) / 16.0
+  for split in ("train", "test"):
+    assert np.array_equal(getattr(small, split)["label"], getattr(big, split)["label"])
+    # each 8 x 8 example's row in sklearn's order picks its upscaled twin
+    rows = [int(np.flatnonzero((images == im[..., 0]).all(axis=(1, 2)))[0]) for im in getattr(small, split)["image"]]
+    np.testing.assert_array_equal(getattr(big, split)["image"], upscaled[rows])
+
+
 def test_batch_order_depends_only_on_seed_and_step():
   data = helpers.digits_data()
   per_epoch = data.steps_per_epoch(128)

@@ -111,12 +111,11 @@ corrupt_digits = corrupt  # the 8 x 8 digits' name
 def upscaled_digits(size: int = 28) -> np.ndarray:
   """All 1,797 of scikit-learn's digits, ``[N, size, size, 1]`` in ``[0, 1]`` (bilinear upscaling from
   8 x 8, ink bright on black like Fashion-MNIST's objects)."""
-  from scipy import ndimage
   from sklearn.datasets import load_digits
 
-  x = load_digits().images / 16.0
-  x = ndimage.zoom(x, (1, size / 8, size / 8), order=1, grid_mode=True, mode="grid-constant")
-  return np.clip(x, 0.0, 1.0)[..., None].astype(np.float32)
+  from ipf_jax.data import digits
+
+  return digits.upscale(load_digits().images / 16.0, size)
 
 
 def photo_patches(num: int, size: int = 8) -> np.ndarray:
