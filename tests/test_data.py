@@ -23,14 +23,19 @@ def test_digits_split_is_fixed_and_real():
 
 def test_digits_at_28_are_the_same_split_upscaled():
   """``digits.load(28)`` (the transfer study's fine-tuning set) holds the 8 x 8 split's examples, each
-  upscaled as the OOD set's digits are: the same rows of ``shifts.upscaled_digits``, the same labels."""
+  upscaled bilinearly (a plain scipy reference, not ``digits.upscale``), the same labels; and the OOD set's
+  digits (``shifts.upscaled_digits``) are the same reference."""
+  from scipy import ndimage
   from sklearn.datasets import load_digits
 
   from ipf_jax.data import digits, shifts
 
   small, big = digits.load(), digits.load(28)
   assert big.name == "digits_28x28" and big.train["image"].shape == (1347, 28, 28, 1)
-  upscaled, images = shifts.upscaled_digits(), load_digits().images.astype(np.float32) / 16.0
+  images = load_digits().images.astype(np.float32) / 16.0
+  zoomed = ndimage.zoom(load_digits().images / 16.0, (1, 3.5, 3.5), order=1, grid_mode=True, mode="grid-constant")
+  upscaled = np.clip(zoomed, 0.0, 1.0)[..., None].astype(np.float32)
+  np.testing.assert_array_equal(shifts.upscaled_digits(), upscaled)
   for split in ("train", "test"):
     assert np.array_equal(getattr(small, split)["label"], getattr(big, split)["label"])
     # each 8 x 8 example's row in sklearn's order picks its upscaled twin
