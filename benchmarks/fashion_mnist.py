@@ -116,7 +116,7 @@ def run_steps(args, train_size: int = TRAIN_SIZE) -> int:
 def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None = None, data=None) -> dict:
   """One (method, seed) run as ``configs/fashion_mnist.py`` (``--vit``: ``fashion_mnist_vit.py`` with the small
   ViT) with ``METHODS[method]`` (or ``overrides``); on ``data`` (e.g. an ``ArrayDataset``) instead of
-  Fashion-MNIST when given, without the shifted and OOD sets (they are the built-in data's: ``nan``)."""
+  Fashion-MNIST when given, without the shifted and OOD sets (they are the built-in data's: ``None``)."""
   config = (fashion_mnist_vit if args.vit else fashion_mnist).get_config()
   config.data_dir, config.seed = args.data_dir, seed
   config.global_batch_size, config.num_epochs = args.batch, float(args.epochs)
@@ -163,10 +163,10 @@ def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None =
     "single_nll": single["nll"],
     "ens_ece": r["ensemble"]["ece"],
     "ens_brier": r["ensemble"]["brier"],
-    "shift_ens_acc": float(np.mean([s["ensemble"]["accuracy"] for s in shifted])) if shifted else float("nan"),
-    "shift_ens_ece": float(np.mean([s["ensemble"]["ece"] for s in shifted])) if shifted else float("nan"),
-    "ood_digits": ood.get("digits", float("nan")),
-    "ood_photos": ood.get("photos", float("nan")),
+    "shift_ens_acc": float(np.mean([s["ensemble"]["accuracy"] for s in shifted])) if shifted else None,
+    "shift_ens_ece": float(np.mean([s["ensemble"]["ece"] for s in shifted])) if shifted else None,
+    "ood_digits": ood.get("digits"),
+    "ood_photos": ood.get("photos"),
     "disagreement": float(r.get("diversity", {}).get("disagreement", 0.0)),
     "particles_acc": [float(a) for a in np.atleast_1d(r["particles"]["accuracy"])],
     "particles_nll": [float(a) for a in np.atleast_1d(r["particles"]["nll"])],
