@@ -176,7 +176,10 @@ def test_cpu_collectives_tiny():
 def test_fashion_mnist_study_method_names_survive_the_comma_list():
   from benchmarks import fashion_mnist
 
-  assert not [m for m in fashion_mnist.METHODS if "," in m], "--methods is a comma list: a name cannot hold one"
+  from benchmarks import fashion_mnist_finetune
+
+  names = [*fashion_mnist.METHODS, *fashion_mnist_finetune.METHODS, *fashion_mnist_finetune.TRANSFER]
+  assert not [m for m in names if "," in m], "--methods is a comma list: a name cannot hold one"
 
 
 def test_fashion_mnist_study_s_small_vit_is_the_zoo_s_vit_resized():
@@ -237,26 +240,77 @@ def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   assert again["rows"] == [r]
 
 
-def test_fashion_mnist_finetune_tiny(fashion_dir):
+def test_fashion_mnist_finetune_tiny(fashion_dir, tmp_path):
   """Both targets of the fine-tuning study run end to end: the transfer variant on the digits at 28 x 28 (new
-  heads; no shifted or OOD sets, so no such columns) and the soup study on Fashion-MNIST."""
-  common = ("--data_dir", fashion_dir, "--steps", "4", "--cnn_features", "4,8", "--shift_examples", "20")
-  methods = "ddp from scratch (no pre-training),ipf from it (new head)"
-  s, stdout = run_module(
-    "benchmarks.fashion_mnist_finetune", *common, "--target", "digits", "--methods", methods, devices=8, output=True
-  )
-  scratch, ipf = s["rows"]
-  assert (scratch["method"], ipf["method"]) == tuple(methods.split(","))
-  assert scratch["target"] == ipf["target"] == "digits" and scratch["steps"] == ipf["steps"] == 4
-  assert len(scratch["particles_acc"]) == 1 and len(ipf["particles_acc"]) == 8 and 0 < ipf["pre_acc"] < 1
-  assert all(x != x for x in (ipf["ood_digits"], ipf["shift_ens_acc"]))  # NaN: those sets are Fashion-MNIST's
+  heads; no shifted or OOD sets, so no such columns; --epochs counting the 1,347 digits; --resume keyed by the
+  target, without pre-training when nothing pre-trained is left to run) and the soup study on Fashion-MNIST."""
+  common = ("--data_dir", fashion_dir, "--cnn_features", "4,8", "--shift_examples", "20")
+  out = str(tmp_path / "rows.jsonl")
+  methods = "ddp from scratch (no pre-training),deep ensemble of fine-tunes (fresh heads)"
+  digits = (*common, "--target", "digits", "--epochs", "0.2", "--pre_epochs", "0.01", "--out", out)
+  s, stdout = run_module("benchmarks.fashion_mnist_finetune", *digits, "--methods", methods, devices=8, output=True)
+  scratch, ensemble = s["rows"]
+  assert (scratch["method"], ensemble["method"]) == tuple(methods.split(","))
+  assert scratch["target"] == ensemble["target"] == "digits"
+  assert scratch["steps"] == ensemble["steps"] == 2, "0.2 epochs of the 1,347 digits at batch 128 are 2 steps"
+  assert len(scratch["particles_acc"]) == 1 and len(ensemble["particles_acc"]) == 8 and 0 < ensemble["pre_acc"] < 1
+  assert ensemble["lr_factor"] == 1.0, "the digits' default: a new head trains at the config's learning rate"
+  assert scratch["lr_factor"] is scratch["pre_epochs"] is None and "pre_acc" not in scratch, "scratch uses neither"
+  assert ensemble["ood_digits"] is ensemble["shift_ens_acc"] is None  # those sets are Fashion-MNIST's
+  assert ensemble["fused_nll"] != ensemble["single_nll"], "the fused row is the uniform soup, not the mean member"
   header = [line for line in stdout.splitlines() if line.startswith("| method")][0]
   assert "ens_acc" in header and "disagreement" in header and "ood_digits" not in header
+  assert "(ddp from scratch (no pre-training): the config's learning rate and warmup)" in stdout
 
-  s = run_module("benchmarks.fashion_mnist_finetune", *common, "--methods", "one fine-tune (ddp)", devices=8)
+  # resumed with another pre-training: the scratch row is still this set-up's, the fine-tune's is not
+  again, stdout = run_module(
+    "benchmarks.fashion_mnist_finetune",
+    *digits[:-4],
+    "--pre_epochs",
+    "0.02",
+    "--out",
+    out,
+    "--resume",
+    "--methods",
+    "ddp from scratch (no pre-training)",
+    devices=8,
+    output=True,
+  )
+  assert again["rows"] == [scratch] and "pre-trained" not in stdout, "nothing left to run: nothing pre-trained"
+
+  s = run_module(
+    "benchmarks.fashion_mnist_finetune",
+    *common,
+    "--steps",
+    "4",
+    "--methods",
+    "one fine-tune (ddp)",
+    "--out",
+    out,
+    "--resume",
+    devices=8,
+  )
   (soup,) = s["rows"]
   assert soup["target"] == "fashion_mnist" and soup["steps"] == 4 and 0 < soup["ood_digits"] < 1
-  assert soup["fused_acc"] == soup["ens_acc"]  # one model: its own fused model
+  assert soup["fused_acc"] == soup["ens_acc"] and soup["lr_factor"] == 0.1  # one model: its own fused model
+
+
+def test_transfer_digits_reach_the_model_as_the_pipeline_feeds_fashion_mnist(fashion_dir):
+  """``--target digits``' images are what the trainer's TFDS path makes of the same pixels (its eval
+  preprocessing, as when it reads the digits as an OOD set of Fashion-MNIST): the scale pre-training saw."""
+  import numpy as np
+
+  from benchmarks import fashion_mnist_finetune
+  from ipf_jax.data import digits, tfds_input
+
+  like = tfds_input.TFDSDataset("fashion_mnist", fashion_dir, image_size=28, small_images=True)
+  plain, data = digits.load(28), fashion_mnist_finetune.transfer_data()
+  for split in ("train", "test"):
+    pixels = getattr(plain, split)["image"] * 255.0
+    fed = tfds_input.ArrayEvalSet("digits", pixels, None, like).eval_batches(4096)
+    np.testing.assert_allclose(getattr(data, split)["image"], np.concatenate([b["image"] for b in fed]), atol=1e-5)
+    np.testing.assert_array_equal(getattr(data, split)["label"], getattr(plain, split)["label"])
+  assert -1 < data.test["image"].mean() < 1, "normalised: near zero mean, not [0, 1] pixels"
 
 
 def test_fashion_mnist_input_tiny(fashion_dir):
