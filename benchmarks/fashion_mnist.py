@@ -67,6 +67,11 @@ METHODS = {
   "ipf correction=1 + ess_target=0.5": dict(mode="ipf", correction=1.0, ess_target=0.5),
   "ipf correction=0.9 + ess_target=0.5": dict(mode="ipf", correction=0.9, ess_target=0.5),
   "ipf lr for the particle's batch (reference_batch_size=2048)": dict(mode="ipf", reference_batch_size=2048),
+  # the seed's framing at batch 1,024 (P x compute: each of 8 models on 128 examples a step, at DDP's learning
+  # rate for 128), for the population ipf is measured against there
+  "deep ensemble lr for the member's batch (reference_batch_size=2048)": dict(
+    mode="ensemble", num_particles=8, reference_batch_size=2048
+  ),
   # diagnostics: tau = 0 keeps the weights uniform (no resampling) and lambda = 1 gives every particle the
   # mean gradient, so the particles stay one model: DDP whose BatchNorm normalises over each particle's 16
   # examples ("ghost" batches) instead of SyncBN's 128
