@@ -7,7 +7,8 @@ The same data, batch (8 particles x 16), epochs and augmentation as configs/fash
 vit_ti16 at patch size 4 (5.4M parameters per particle), AdamW at 1e-3 with 500 warmup steps, decoupled
 weight decay 0.05, clipping at 1.0, stochastic depth 0.1. On a CPU it is slow (it is a ViT): meant for a GPU,
 or as a recipe to start from. Measured on this project's 2-core machine (commit 32962d0, sharing the cores with
-one other run): 60 steps in 5 min 50 s with compilation, then 0.3 steps/s, so the 2,340 steps of 5 epochs take
+one other run; `... --config.num_epochs=0 --config.num_train_steps=60 --config.log_every_steps=20` added to the
+command above): 60 steps in 5 min 50 s with compilation, then 0.3 steps/s, so the 2,340 steps of 5 epochs take
 over 2 hours, and the final evaluation on the 10,000 test images several minutes more. No accuracy is claimed
 for it: it has not been trained to the end here. The recipe at a CPU's size (width 64, depth 6, 7 x 7 patches,
 this file's optimizer) is measured in BENCHMARKS.md, "A small ViT on Fashion-MNIST at equal compute":
