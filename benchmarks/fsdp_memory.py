@@ -5,6 +5,7 @@
   python -m benchmarks.fsdp_memory --time                             # step time, fsdp / whole (CPU)
   python -m benchmarks.fsdp_memory --blocks --models vit_b16 --dds 8   # remat: gathered per block or whole
   python -m benchmarks.fsdp_memory --blocks --models vit_b16 --dds 8 --live 10   # and what sets each peak
+  python -m benchmarks.fsdp_memory --blocks --scan --models vit_b16 --dds 8  # the ViT's blocks as one nn.scan
 
 P = 8 particles, one per group (Dp = 8, L = 1), each group ``Dd`` devices (8 x Dd fake devices, up to 64), so
 a particle is replicated over its group (``fsdp`` off) or sharded over it (on, ``fsdp_min_size_mb`` default).
@@ -22,7 +23,8 @@ gather their own parameters (``fsdp_gather="block"``, ``models.blocks``) against
 whole particle up front (``"particle"``, the default), 2 particles on ``2 x Dd`` devices: peak and
 temporaries per device under XLA:CPU's defaults and under ``KEEP_REMAT`` (``--no-resampling``: the step
 without its resampling branch; ``--live K``: the K largest groups of buffers alive at each program's peak, by
-shape, read from XLA's dump by ``benchmarks.peak_live``). A benchmark, not a test.
+shape, read from XLA's dump by ``benchmarks.peak_live``; ``--scan``: the ViTs' blocks as one ``nn.scan``,
+``vit_scan``). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def child(model: str, optimizer: str, dd: int, args) -> list[dict]:
       continue
     config = defaults.get_config()
     config.update(model=model, num_cpu_devices=0, num_particles=8, particle_axis_size=8, fsdp=fsdp)
+    config.vit_scan = args.scan
     config.update(global_batch_size=8 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS[optimizer])
     if args.min_size_mb is not None:
       config.fsdp_min_size_mb = args.min_size_mb
@@ -114,6 +117,7 @@ def blocks_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
   for per_block in (True, False):
     config = defaults.get_config()
     config.update(model=model, num_cpu_devices=0, num_particles=2, particle_axis_size=2, fsdp=True, remat=True)
+    config.vit_scan = args.scan
     config.fsdp_gather = "block" if per_block else "particle"
     config.update(global_batch_size=2 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS[optimizer])
     if args.min_size_mb is not None:
@@ -125,6 +129,7 @@ def blocks_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
     memory = memory_mib(compiled)
     gathered = collective_bytes(compiled.as_text()).get("all-gather", 0.0) / 2**20
     row = dict(model=model, optimizer=optimizer, dd=dd, per_block=per_block, compile_s=time.perf_counter() - t)
+    row["scan"] = args.scan
     row["all_gather_mib"] = gathered
     row.update(peak_mib=memory["peak"], temp_mib=memory["temporaries"], state_mib=state_bytes(bench.abstract) / 2**20)
     if args.live:  # this process dumps to $IPF_JAX_DUMP (run_child): the program just compiled is its largest new one
@@ -153,6 +158,7 @@ def run_argv(argv: list[str], env: dict, args) -> list[dict]:
   argv += [f"--image_size={args.image_size}", f"--per_device_batch={args.per_device_batch}", f"--dtype={args.dtype}"]
   argv += [] if args.min_size_mb is None else [f"--min_size_mb={args.min_size_mb}"]
   argv += ["--blocks", f"--{'' if args.resampling else 'no-'}resampling"] if args.blocks else []
+  argv += ["--scan"] if args.scan else []
   r = subprocess.run(argv + ([] if args.compile else ["--no-compile"]), env=env, capture_output=True, text=True)
   if r.returncode:
     raise RuntimeError(r.stderr[-3000:])
@@ -195,8 +201,9 @@ def print_blocks(rows: list[dict]) -> None:
     "all-gather MiB, per block / whole | state MiB |"
   )
   print("|" + "---|" * 9)
-  by = {(r["model"], r["optimizer"], r["dd"], r["xla"], r["per_block"]): r for r in rows}
-  for model, optimizer, dd, xla in sorted({(r["model"], r["optimizer"], r["dd"], r["xla"]) for r in rows}):
+  name = lambda r: r["model"] + (" (scan)" if r.get("scan") else "")
+  by = {(name(r), r["optimizer"], r["dd"], r["xla"], r["per_block"]): r for r in rows}
+  for model, optimizer, dd, xla in sorted({(name(r), r["optimizer"], r["dd"], r["xla"]) for r in rows}):
     a, b = by[model, optimizer, dd, xla, True], by[model, optimizer, dd, xla, False]
     print(
       f"| {model} | {optimizer} | {dd} | {xla} | {a['peak_mib']:.0f} / {b['peak_mib']:.0f} | "
@@ -232,6 +239,7 @@ def main():
   parser.add_argument(
     "--resampling", action=argparse.BooleanOptionalAction, default=True, help="--blocks: the step's resampling branch"
   )
+  parser.add_argument("--scan", action="store_true", help="the ViTs' blocks as one nn.scan (vit_scan)")
   parser.add_argument("--live", type=int, default=0, help="--blocks: the K largest groups live at each peak")
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args()

@@ -98,17 +98,21 @@ def test_fsdp_step_matches_reference(dp, dd, p, optimizer, clip, min_mb, model):
   assert_same_run(s, ref, spmd, refr, atol=4e-5)
 
 
-def small_vit_task(depth=1, remat=False):
-  model = vit.ViT(10, patch_size=4, width=16, depth=depth, mlp_dim=32, num_heads=2, dropout=0.1, remat=remat)
+def small_vit_task(depth=1, remat=False, scan=False, width=16):
+  model = vit.ViT(
+    10, patch_size=4, width=width, depth=depth, mlp_dim=2 * width, num_heads=2, dropout=0.1, remat=remat, scan=scan
+  )
   return ipf_jax.classification(model, rngs=("dropout",))
 
 
-@pytest.mark.parametrize("gather,depth,remat", [("particle", 1, False), ("block", 1, True)])
-def test_fsdp_vit_without_batchnorm_matches_the_replicated_step(gather, depth, remat):
+@pytest.mark.parametrize(
+  "gather,depth,remat,scan", [("particle", 1, False, False), ("block", 1, True, False), ("block", 2, True, True)]
+)
+def test_fsdp_vit_without_batchnorm_matches_the_replicated_step(gather, depth, remat, scan):
   """No BatchNorm: a ViT with dropout, AdamW and clipping, 4 particles on (2, 4), resampling with jitter every
   other step: three steps of the fsdp step and of the replicated one from the same state give the same
   particles, weights and ancestors; the particle gathered whole, or each block gathering its own under remat
-  (``fsdp_gather="block"``)."""
+  (``fsdp_gather="block"``), the blocks unrolled or one ``nn.scan`` (each iteration gathering its slice)."""
   runs = {}
   for on in (False, True):
     config = helpers.tiny_config(
@@ -124,7 +128,7 @@ def test_fsdp_vit_without_batchnorm_matches_the_replicated_step(gather, depth, r
       fsdp_min_size_mb=0.0,
       fsdp_gather=gather if on else "particle",
     )
-    s = helpers.Setup(config, 2, 4, task=small_vit_task(depth, remat))
+    s = helpers.Setup(config, 2, 4, task=small_vit_task(depth, remat, scan))
     if on:
       s.state = jax.device_put(runs[False][1], jax.tree.map(lambda x: x.sharding, s.state))
       assert sharded_leaves(s.state.params)[0] >= 6
@@ -164,6 +168,7 @@ def gathers_in_and_out_of_remat(jaxpr, inside=False, counts=None):
 # inside the block; every leaf of the ResNet's blocks, BatchNorm's included, is read)
 BLOCK_MODELS = {
   "vit": ({}, lambda: small_vit_task(depth=2, remat=True), "encoderblock_", 2),
+  "vit_scan": ({}, lambda: small_vit_task(depth=2, remat=True, scan=True), "encoderblock", 1),  # one stacked bias
   "resnet": (dict(model="resnet_tiny", small_inputs=True, remat=True), lambda: None, "_block", 0),
 }
 
@@ -172,7 +177,8 @@ BLOCK_MODELS = {
 def test_block_gathers_are_recomputed_under_remat(model):
   """``fsdp_gather="block"``: each sharded leaf of the model's blocks is gathered again inside the
   rematerialised backward pass (so no block need stay whole between the forward and the backward pass);
-  ``"particle"`` gathers nothing there. The ViT's blocks and the ResNet's (BatchNorm)."""
+  ``"particle"`` gathers nothing there. The ViT's blocks (unrolled, and scanned: the scan's body gathers each
+  stacked leaf's slice, once in the program) and the ResNet's (BatchNorm)."""
   overrides, task, marker, unread = BLOCK_MODELS[model]
   found = {}
   for gather in ("particle", "block"):
@@ -184,7 +190,7 @@ def test_block_gathers_are_recomputed_under_remat(model):
     found[gather] = gathers_in_and_out_of_remat(jax.make_jaxpr(s.train_step)(s.state, s.put(images, labels)).jaxpr)
   flat = jax.tree_util.tree_flatten_with_path(s.state.params)[0]
   in_blocks = [x for path, x in flat if marker in jax.tree_util.keystr(path) and fsdp.data_dim(x.sharding.spec) >= 0]
-  assert len(in_blocks) >= 10
+  assert len(in_blocks) >= (7 if model == "vit_scan" else 10)
   assert found["particle"]["in"] == 0
   assert found["block"]["in"] == len(in_blocks) - unread, (found, len(in_blocks))
   assert found["block"]["out"] == found["particle"]["out"]  # the forward pass gathers each leaf once either way
@@ -314,6 +320,22 @@ def test_a_clip_that_sees_part_of_the_particle_is_refused():
   with fsdp.updating({"a": 2, "b": -1}):
     with pytest.raises(ValueError, match=r"config.fsdp: clip_by_global_norm was given 1 leaves .* sharded in 2"):
       fsdp.global_norm({"a": jnp.ones((3,))})
+
+
+def test_a_scanned_block_sharded_along_its_layers_is_named():
+  """A scanned ViT whose stacked leaf is largest along its layer axis (8 blocks of width 4: the LayerNorms'
+  ``[P, 8, 4]``) has it sharded there by the rule; each iteration of the scan takes one layer, so the block
+  cannot gather its slice: named, with the two fixes, when the step is traced."""
+  config = helpers.tiny_config(
+    num_particles=2, optimizer="adamw", base_lr=3e-3, fsdp=True, fsdp_min_size_mb=0.0, fsdp_gather="block"
+  )
+  s = helpers.Setup(config, 2, 4, task=small_vit_task(depth=8, remat=True, scan=True, width=4))
+  scale = s.state.params["Transformer"]["encoderblock"]["LayerNorm_0"]["scale"]
+  assert fsdp.data_dim(scale.sharding.spec) == 1
+  images, labels = helpers.particle_batches(2, 1)[0]
+  match = r"scanned block 'Transformer/encoderblock' holds .* layer axis .*fsdp_min_size_mb"
+  with pytest.raises(ValueError, match=match):
+    jax.make_jaxpr(s.train_step)(s.state, s.put(images, labels))
 
 
 def test_the_particle_axis_is_not_data_s():

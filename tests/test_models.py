@@ -108,3 +108,52 @@ def test_a_vit_population_trains_with_adamw_dropout_and_stochastic_depth(tmp_pat
   config.vit_patch_size = 4
   zoo = models.model_from_fields(models.model_fields(config, 10))
   assert isinstance(zoo, vit.ViT) and (zoo.patch_size, zoo.width, zoo.depth, zoo.dropout) == (4, 192, 12, 0.1)
+  assert not zoo.scan
+  config.vit_scan = True  # an export records it, so the fused model rebuilds with its blocks stacked
+  fields = models.model_fields(config, 10)
+  assert fields["vit_scan"] is True and models.model_from_fields(fields).scan
+  del fields["vit_scan"]  # an export written before the field existed: unrolled, as it was trained
+  assert not models.model_from_fields(fields).scan
+
+
+SMALL = dict(num_classes=5, patch_size=4, width=16, mlp_dim=32, num_heads=2)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_scanned_vit_is_the_unrolled_one_with_its_blocks_stacked(remat):
+  """``scan=True`` (``nn.scan`` over the blocks) computes what the unrolled ViT computes: from the unrolled
+  model's parameters stacked by hand (``np.stack`` of ``encoderblock_{i}``), the same logits and, unstacked, the
+  same gradient; ``stack_blocks`` / ``unstack_blocks`` are that stacking and its inverse, and the scanned
+  model's own init has the stacked tree's shapes."""
+  x = jnp.asarray(np.random.RandomState(0).randn(4, 8, 8, 3), jnp.float32)
+  unrolled, scanned = vit.ViT(**SMALL, depth=3, remat=remat), vit.ViT(**SMALL, depth=3, remat=remat, scan=True)
+  params = unrolled.init(jax.random.key(0), x)["params"]
+  blocks = [params["Transformer"][f"encoderblock_{i}"] for i in range(3)]
+  by_hand = {**params, "Transformer": {"encoder_norm": params["Transformer"]["encoder_norm"]}}
+  by_hand["Transformer"]["encoderblock"] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
+  jax.tree.map(np.testing.assert_array_equal, vit.stack_blocks(params, 3), by_hand)
+  jax.tree.map(np.testing.assert_array_equal, vit.unstack_blocks(by_hand, 3), params)
+  own = jax.eval_shape(lambda: scanned.init(jax.random.key(0), x)["params"])
+  assert jax.tree.map(jnp.shape, own) == jax.tree.map(jnp.shape, by_hand)
+  np.testing.assert_allclose(scanned.apply({"params": by_hand}, x), unrolled.apply({"params": params}, x), atol=1e-6)
+  loss = lambda model: lambda p: jnp.sum(jnp.square(model.apply({"params": p}, x)))
+  want = jax.grad(loss(unrolled))(params)
+  got = vit.unstack_blocks(jax.grad(loss(scanned))(by_hand), 3)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+def test_a_scanned_block_drops_its_own_path_rate():
+  """Stochastic depth in the scanned ViT: block ``i`` drops at ``stochastic_depth * i / (depth - 1)``, as the
+  unrolled one does. Two blocks at 0.9999: the first never drops, the second (almost surely) always, so in
+  training both models compute block 0 alone, which differs from evaluation (both blocks)."""
+  x = jnp.asarray(np.random.RandomState(1).randn(4, 8, 8, 3), jnp.float32)
+  unrolled = vit.ViT(**SMALL, depth=2, stochastic_depth=0.9999)
+  scanned = vit.ViT(**SMALL, depth=2, stochastic_depth=0.9999, scan=True, remat=True)
+  params = unrolled.init(jax.random.key(0), x)["params"]
+  params["head"]["kernel"] = jax.random.normal(jax.random.key(2), params["head"]["kernel"].shape)  # not zeros
+  stacked = vit.stack_blocks(params, 2)
+  rngs = {"dropout": jax.random.key(3)}
+  trained = scanned.apply({"params": stacked}, x, train=True, rngs=rngs)
+  np.testing.assert_allclose(trained, unrolled.apply({"params": params}, x, train=True, rngs=rngs), atol=1e-5)
+  evaluated = scanned.apply({"params": stacked}, x)
+  assert np.abs(np.asarray(trained - evaluated)).max() > 1e-3

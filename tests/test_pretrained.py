@@ -136,3 +136,35 @@ def test_one_particle_of_another_runs_newest_checkpoint(tmp_path):
     first_state(config_for(init_from=str(tmp_path), init_particle=4))
   with pytest.raises(ConfigError, match="config.init_particle: .*holds no checkpoint"):
     first_state(config_for(init_from=str(tmp_path / "checkpoints" / "nowhere"), init_particle=0))
+
+
+@pytest.mark.parametrize("saved_scan,model_scan", [(False, True), (True, False)])
+def test_a_vit_s_blocks_load_into_the_other_layout(tmp_path, saved_scan, model_scan):
+  """A ViT checkpoint of unrolled blocks (``encoderblock_{i}``, big_vision's layout) starts a scanned model
+  (``vit_scan``: the blocks stacked), and a scanned one an unrolled model: every block's values where the
+  other layout keeps them (``np.stack`` by hand). A file of another depth is named, not cut or padded."""
+  from ipf_jax.models import vit
+  from ipf_jax.spmd import pretrained
+
+  small = dict(num_classes=5, patch_size=4, width=16, mlp_dim=32, num_heads=2)
+  x = np.zeros((1, 8, 8, 3), np.float32)
+  unrolled = jax.device_get(vit.ViT(**small, depth=3).init(jax.random.key(0), x)["params"])
+  flat = traverse_util.flatten_dict(unrolled, sep="/")
+  stacked = dict(flat)
+  for name in list(stacked):
+    if name.startswith("Transformer/encoderblock_0/"):
+      rest = name.split("/", 2)[2]
+      stacked[f"Transformer/encoderblock/{rest}"] = np.stack(
+        [stacked.pop(f"Transformer/encoderblock_{i}/{rest}") for i in range(3)]
+      )
+  saved, want = (stacked, flat) if saved_scan else (flat, stacked)
+  np.savez(tmp_path / "vit.npz", **{f"params/{k}": v for k, v in saved.items()})
+  model = vit.ViT(**small, depth=3, scan=model_scan)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(1), x))
+  start = pretrained.for_model(str(tmp_path / "vit.npz"), "", shapes)["params"]
+  assert sorted(start) == sorted(want)
+  for name in want:
+    np.testing.assert_array_equal(start[name], want[name])
+  deeper = vit.ViT(**small, depth=4, scan=model_scan)
+  with pytest.raises(ConfigError, match="config.init_from: .* does not fit this model: .*encoderblock"):
+    pretrained.for_model(str(tmp_path / "vit.npz"), "", jax.eval_shape(lambda: deeper.init(jax.random.key(1), x)))

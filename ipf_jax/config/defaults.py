@@ -75,6 +75,8 @@ def _model(config: ml_collections.ConfigDict) -> None:
   config.vit_patch_size = 0            # vits: patch size (0 = the name's: 16 for vit_b16; e.g. 4 on 28x28)
   config.vit_pool = "tok"              # vits: tok (a class token, the original ViT) | gap (mean over tokens)
   config.vit_posemb = "learn"          # vits: learn | sincos2d (fixed 2-d sin-cos, big_vision's i1k recipe)
+  config.vit_scan = False              # vits: the encoder blocks as one nn.scan (one block compiled, not depth;
+                                       # parameters stacked [depth, ...]; with remat, one block recomputed at a time)
   config.dropout = 0.0                 # vits: dropout after attention, in the MLP and on the embeddings
   config.stochastic_depth = 0.0        # vits: the last block's residual drop rate, rising linearly from 0
   config.dtype = "float32"             # compute dtype: float32 | bfloat16 | float16 (params and optimizer stay
@@ -177,7 +179,8 @@ def _devices(config: ml_collections.ConfigDict) -> None:
   config.fsdp_gather = "particle"      # fsdp: "particle" gathers the whole particle for the forward pass; "block"
                                        # leaves the zoo models' blocks (ViT encoder blocks, ResNet blocks:
                                        # Task.blocks) to gather their own as they run, so that under remat (it
-                                       # needs remat=True) a device holds one block whole, not the particle. Not
-                                       # shown to lower the peak on XLA:CPU (BENCHMARKS.md "Gathering block by
-                                       # block under remat")
+                                       # needs remat=True) a device holds one block whole, not the particle. With
+                                       # the ViT's blocks scanned (vit_scan) it lowers the compiled peak (ViT-B/16
+                                       # at Dd=8 on XLA:CPU: 0.42x); unrolled it does not (BENCHMARKS.md
+                                       # "Gathering block by block under remat")
   config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)

@@ -34,6 +34,7 @@ MODEL_FIELDS = (
   "vit_patch_size",
   "vit_pool",
   "vit_posemb",
+  "vit_scan",
   "dropout",
   "stochastic_depth",
   "remat",
@@ -43,6 +44,7 @@ _DEFAULTS = {
   "vit_patch_size": 0,
   "vit_pool": "tok",
   "vit_posemb": "learn",
+  "vit_scan": False,
   "dropout": 0.0,
   "stochastic_depth": 0.0,
   "remat": False,
@@ -88,6 +90,7 @@ def create_model(config, num_classes: int, bn_axis_name: Optional[str] = None):
       dropout=get("dropout"),
       stochastic_depth=get("stochastic_depth"),
       remat=get("remat"),
+      scan=get("vit_scan"),
       dtype=dtype,
     )
   raise ConfigError("model", f"unknown model {name!r}; use one of {', '.join(MODELS)}")

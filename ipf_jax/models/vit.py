@@ -5,8 +5,13 @@ sin-cos), an optional class token, ``depth`` pre-LayerNorm encoder blocks (multi
 GELU MLP of ``mlp_dim``; dropout after each and stochastic depth on each residual branch), a final
 LayerNorm, the pooled representation (``gap``: the mean over tokens; ``tok``: the class token) and a linear
 head initialised to zeros. Parameters are float32; ``dtype`` is the compute dtype (bfloat16 on accelerators).
-``remat`` recomputes each block in the backward pass. No BatchNorm: a particle's statistics are its
-parameters only.
+``remat`` recomputes each block in the backward pass. ``scan`` runs the blocks as one ``nn.scan`` (big_vision's
+and MaxText's ``scan_layers``): the program holds one block, not ``depth``, so it compiles in a fraction of the
+time, and under ``remat`` the backward pass recomputes one block at a time (an unrolled stack leaves the
+compiler free to schedule every block's recomputation together; BENCHMARKS.md "Gathering block by block under
+remat"). Its parameters are the blocks' stacked, ``Transformer/encoderblock/...`` of ``[depth, ...]``, where
+the unrolled model has ``Transformer/encoderblock_{i}/...`` (``stack_blocks`` converts). No BatchNorm: a
+particle's statistics are its parameters only.
 
 The sizes are big_vision's ``decode_variant``: Ti, S, B, L, H, g; ``vit_b16`` with a class token and a
 learned position embedding has 86,567,656 parameters at 1,000 classes and 224 x 224 images (the original
@@ -69,10 +74,11 @@ class MlpBlock(nn.Module):
     return nn.Dense(d, dtype=self.dtype, **inits)(x)
 
 
-def _drop_path(x, rate: float, deterministic: bool, module: nn.Module):
-  """Stochastic depth: the residual branch ``x`` of a whole example dropped with probability ``rate``
-  (the survivors scaled by ``1 / (1 - rate)``), from the ``dropout`` stream."""
-  if deterministic or not rate:
+def _drop_path(x, rate, deterministic: bool, module: nn.Module):
+  """Stochastic depth: the residual branch ``x`` of a whole example dropped with probability ``rate`` (a
+  number, or a traced scalar in a scanned block) (the survivors scaled by ``1 / (1 - rate)``), from the
+  ``dropout`` stream."""
+  if deterministic or (isinstance(rate, (int, float)) and not rate):
     return x
   keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, (x.shape[0],) + (1,) * (x.ndim - 1))
   return jnp.where(keep, x / (1.0 - rate), 0)
@@ -88,7 +94,9 @@ class Encoder1DBlock(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, deterministic: bool = True):
+  def __call__(self, x, deterministic: bool = True, rate=None):
+    """``rate``: this block's drop rate when it is an input (a scanned block's), else ``drop_path``."""
+    rate = self.drop_path if rate is None else rate
     y = nn.LayerNorm(dtype=self.dtype)(x)
     y = nn.MultiHeadDotProductAttention(
       num_heads=self.num_heads,
@@ -97,11 +105,20 @@ class Encoder1DBlock(nn.Module):
       dtype=self.dtype,
     )(y, y)
     y = nn.Dropout(rate=self.dropout)(y, deterministic)
-    x = x + _drop_path(y, self.drop_path, deterministic, self)
+    x = x + _drop_path(y, rate, deterministic, self)
     y = nn.LayerNorm(dtype=self.dtype)(x)
     y = MlpBlock(mlp_dim=self.mlp_dim, dropout=self.dropout, dtype=self.dtype)(y, deterministic)
     y = nn.Dropout(rate=self.dropout)(y, deterministic)
-    return x + _drop_path(y, self.drop_path, deterministic, self)
+    return x + _drop_path(y, rate, deterministic, self)
+
+
+class ScannedBlock(Encoder1DBlock):
+  """The body of ``nn.scan`` over the blocks: ``(x, rate) -> (x, None)``, the block's drop rate an input
+  (``drop_path`` > 0 only says that the blocks drop paths at all)."""
+
+  @nn.compact
+  def __call__(self, x, rate, deterministic: bool = True):
+    return super().__call__(x, deterministic, rate if self.drop_path else None), None
 
 
 class Encoder(nn.Module):
@@ -113,10 +130,24 @@ class Encoder(nn.Module):
   dropout: float = 0.0
   stochastic_depth: float = 0.0
   remat: bool = False
+  scan: bool = False
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x, deterministic: bool = True):
+    if self.scan:
+      rates = self.stochastic_depth * jnp.arange(self.depth) / max(self.depth - 1, 1)
+      block = blocks.make(self, ScannedBlock, "encoderblock", self.remat, static_argnums=(3,), scanned=True)
+      scanned = nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(0, nn.broadcast),
+        length=self.depth,
+      )
+      args = (self.mlp_dim, self.num_heads, self.dropout, self.stochastic_depth, self.dtype)
+      x, _ = scanned(*args, name="encoderblock")(x, rates, deterministic)
+      return nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
     for i in range(self.depth):
       rate = self.stochastic_depth * i / max(self.depth - 1, 1)
       name = f"encoderblock_{i}"
@@ -129,7 +160,8 @@ class ViT(nn.Module):
   """``ViT(num_classes, patch_size=16, width=768, depth=12, mlp_dim=3072, num_heads=12)``; ``__call__(images,
   train)`` gives ``[N, num_classes]`` logits (float32)."""
 
-  BLOCKS = r"Transformer/encoderblock_\d+"  # the blocks that gather their own parameters (models.blocks)
+  # the blocks that gather their own parameters (models.blocks): each one, or the scanned stack
+  BLOCKS = r"Transformer/encoderblock(_\d+)?"
 
   num_classes: int
   patch_size: int = 16
@@ -142,6 +174,7 @@ class ViT(nn.Module):
   dropout: float = 0.0
   stochastic_depth: float = 0.0  # the last block's drop rate; block i drops i / (depth - 1) of it
   remat: bool = False
+  scan: bool = False  # the blocks as one nn.scan, their parameters stacked (module docstring)
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
@@ -163,6 +196,7 @@ class ViT(nn.Module):
       self.dropout,
       self.stochastic_depth,
       self.remat,
+      self.scan,
       self.dtype,
       name="Transformer",
     )(x, not train)
@@ -177,6 +211,23 @@ class ViT(nn.Module):
       pe = posemb_sincos_2d(h, w, width)
       return jnp.concatenate([jnp.zeros((1, 1, width)), pe], axis=1) if length == h * w + 1 else pe
     raise ValueError(f"posemb must be learn or sincos2d, got {self.posemb!r}")
+
+
+def stack_blocks(params, depth: int):
+  """An unrolled ViT's parameters as the scanned model's (``scan=True``): ``Transformer/encoderblock_{i}``
+  stacked along a new leading axis into ``Transformer/encoderblock``; ``unstack_blocks`` is the inverse."""
+  transformer = dict(params["Transformer"])
+  layers = [transformer.pop(f"encoderblock_{i}") for i in range(depth)]
+  transformer["encoderblock"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return {**params, "Transformer": transformer}
+
+
+def unstack_blocks(params, depth: int):
+  """A scanned ViT's parameters as the unrolled model's (the inverse of ``stack_blocks``)."""
+  transformer = dict(params["Transformer"])
+  stacked = transformer.pop("encoderblock")
+  transformer.update({f"encoderblock_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(depth)})
+  return {**params, "Transformer": transformer}
 
 
 def create(

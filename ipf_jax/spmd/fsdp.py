@@ -167,8 +167,9 @@ class BlockGather:
 
   ``outside(params)``: the particle with its leaves outside the blocks gathered and the blocks' left as
   a device's shards. Inside the ``with``, each block built by ``models.blocks.make`` calls
-  ``gather(path, block_params, remat)`` as it runs: the whole parameters of the block at ``path`` (leaves
-  ``dims`` does not hold, the shared ones, are whole). On leaving, ``check()``: every sharded leaf inside
+  ``gather(path, block_params, remat, stacked)`` as it runs: the whole parameters of the block at ``path``
+  (leaves ``dims`` does not hold, the shared ones, are whole; ``stacked``: the leading axes of a stored leaf
+  that the block's slice lacks, 1 in the body of ``nn.scan``). On leaving, ``check()``: every sharded leaf inside
   the blocks was gathered by its block, and the blocks are recomputed in the backward pass (without it
   each gathered block is kept for the backward pass, as the whole particle is by
   ``fsdp_gather="particle"``, and the second gather buys nothing). A ``pattern`` that does not describe
@@ -214,7 +215,7 @@ class BlockGather:
     flat = {k: REPLICATED if k in self.inside else d for k, d in self.dims.items()}
     return gather(params, traverse_util.unflatten_dict(flat, sep="/"))
 
-  def __call__(self, path: tuple, block_params, remat: bool):
+  def __call__(self, path: tuple, block_params, remat: bool, stacked: int = 0):
     name = "/".join(path)
     if not re.fullmatch(self.pattern, name):
       raise ValueError(
@@ -228,6 +229,14 @@ class BlockGather:
     keys = {k: f"{name}/{k}" for k in leaves}
     self.gathered.update(key for key in keys.values() if key in self.inside)
     block_dims = {k: self.dims[key] if key in self.inside else REPLICATED for k, key in keys.items()}
+    layered = [keys[k] for k, d in block_dims.items() if d != REPLICATED and d <= stacked]
+    if layered:
+      raise ValueError(
+        f"fsdp_gather='block': the scanned block {name!r} holds {layered[0]!r} sharded along its layer axis (its "
+        "largest), of which each iteration of the scan takes one slice; raise fsdp_min_size_mb above its size "
+        "per particle so that it stays whole, or set fsdp_gather='particle'"
+      )
+    block_dims = {k: d if d == REPLICATED else d - stacked for k, d in block_dims.items()}
     return gather(block_params, traverse_util.unflatten_dict(block_dims, sep="/"))
 
   def watch(self, next_fun, args, kwargs, context):
