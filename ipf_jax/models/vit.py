@@ -135,8 +135,8 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, x, deterministic: bool = True):
+    rates = [self.stochastic_depth * i / max(self.depth - 1, 1) for i in range(self.depth)]  # block i's drop rate
     if self.scan:
-      rates = self.stochastic_depth * jnp.arange(self.depth) / max(self.depth - 1, 1)
       block = blocks.make(self, ScannedBlock, "encoderblock", self.remat, static_argnums=(3,), scanned=True)
       scanned = nn.scan(
         block,
@@ -146,13 +146,12 @@ class Encoder(nn.Module):
         length=self.depth,
       )
       args = (self.mlp_dim, self.num_heads, self.dropout, self.stochastic_depth, self.dtype)
-      x, _ = scanned(*args, name="encoderblock")(x, rates, deterministic)
-      return nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
-    for i in range(self.depth):
-      rate = self.stochastic_depth * i / max(self.depth - 1, 1)
-      name = f"encoderblock_{i}"
-      block = blocks.make(self, Encoder1DBlock, name, self.remat, static_argnums=(2,))
-      x = block(self.mlp_dim, self.num_heads, self.dropout, rate, self.dtype, name=name)(x, deterministic)
+      x, _ = scanned(*args, name="encoderblock")(x, jnp.asarray(rates, jnp.float32), deterministic)
+    else:
+      for i, rate in enumerate(rates):
+        name = f"encoderblock_{i}"
+        block = blocks.make(self, Encoder1DBlock, name, self.remat, static_argnums=(2,))
+        x = block(self.mlp_dim, self.num_heads, self.dropout, rate, self.dtype, name=name)(x, deterministic)
     return nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
 
 
