@@ -23,6 +23,11 @@ def sharded(mesh, x, spec):
   return jax.device_put(x, NamedSharding(mesh, spec))
 
 
+# Weights that part fast (tau = 4, rho = 0.8) and ESS < 0.9 P: resampling on most steps, with the correction and
+# jitter on the copies. The reference tests' usual setting: ``tiny_config(**RESAMPLING, ...)``.
+RESAMPLING = dict(temperature=4.0, forgetting=0.8, correction=0.5, ess_threshold=0.9, jitter=1e-3)
+
+
 def tiny_config(**overrides):
   config = defaults.get_config()
   config.cnn_features = (4, 8)

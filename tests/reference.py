@@ -96,6 +96,43 @@ def survivor_slots(ancestors):
   return src
 
 
+def local_slots(src, num_local, islands):
+  """``resample_placement="local"`` by plain loops: survivors stay; while a slot is free, the round (shift
+  ``k`` from the device ``t - k``, into slot ``j`` of every device ``t``) that fills the most free slots, a
+  round within a device first, ties to the smallest ``(k, j)``; a filled slot takes the lowest-index copy
+  still waiting on its source device in its island (a copy's index: the slot ``src`` gave it)."""
+  p = len(src)
+  dp, size = p // num_local, p // islands
+  moved = [n for n in range(p) if src[n] != n]
+  waiting, free, out = list(moved), set(moved), list(src)
+
+  def copy_for(t, k, j):  # the copy slot j of device t would take in round (k, j), or None
+    n = t * num_local + j
+    if n not in free:
+      return None
+    for e in waiting:  # ascending
+      if src[e] // num_local == (t - k) % dp and e // size == n // size:
+        return e
+    return None
+
+  while free:
+    best = None
+    for k in range(dp):
+      for j in range(num_local):
+        fills = sum(copy_for(t, k, j) is not None for t in range(dp))
+        score = fills + (p if k == 0 and fills else 0)
+        if best is None or score > best[0]:
+          best = (score, k, j)
+    _, k, j = best
+    for t in range(dp):
+      e = copy_for(t, k, j)
+      if e is not None:
+        out[t * num_local + j] = src[e]
+        waiting.remove(e)
+        free.discard(t * num_local + j)
+  return out
+
+
 def _split(tree, pattern):
   """(rest, shared) by regex on '/'-joined paths, as nested dicts."""
   from flax import traverse_util
@@ -141,8 +178,10 @@ class Reference:
     lr_fn=None,
     mixup=0.0,
     num_classes=10,
+    particle_devices=1,
   ):
     self.spec = spec
+    self.particle_devices = particle_devices  # Dp: spec.resample_placement="local" places copies by the mesh
     self.mixup, self.num_classes = mixup, num_classes  # config.mixup: each particle's batch mixed, as below
     self.lr_fn = lr_fn  # spec.jitter_lr: the copies' noise is jitter + jitter_lr * lr_fn(step)
     self.accum_steps = spec.grad_accum_steps
@@ -301,6 +340,8 @@ class Reference:
     if resample:
       u = float(jax.random.uniform(jax.random.fold_in(key, 0)))
       src = island_sources(w, u, s.islands)
+      if s.resample_placement == "local":
+        src = local_slots(src, p // self.particle_devices, s.islands)
       self.params = [self.params[a] for a in src]
       self.batch_stats = [self.batch_stats[a] for a in src]
       self.opt_state = [self.opt_state[a] for a in src]

@@ -86,6 +86,7 @@ def cfg(**kw):
     (dict(loss_scale_growth_interval=0), 8, "loss_scale_growth_interval", ">= 1"),
     (dict(particle_loop="scan"), 8, "particle_loop", "vmap, map, unroll"),
     (dict(resample_exchange="ragged"), 8, "resample_exchange", "use rounds or auto on the CPU"),
+    (dict(resample_placement="nearest"), 8, "resample_placement", "ascending, local"),
     (dict(shared_params="(conv"), 8, "shared_params", "not a valid regular expression"),
     (dict(num_cpu_devices=-1), 8, "num_cpu_devices", ">= 0"),
     (dict(num_devices=-1), 8, "num_devices", ">= 0"),

@@ -71,11 +71,7 @@ def test_fsdp_step_matches_reference(dp, dd, p, optimizer, clip, min_mb, model):
   config = helpers.tiny_config(
     **model,
     num_particles=p,
-    temperature=4.0,
-    forgetting=0.8,
-    correction=0.5,
-    ess_threshold=0.9,
-    jitter=1e-3,
+    **helpers.RESAMPLING,
     optimizer=optimizer,
     base_lr=0.5 if optimizer == "sgd" else 0.01,
     grad_clip_norm=clip,

@@ -131,14 +131,14 @@ def test_the_scanned_vit_is_the_unrolled_one_with_its_blocks_stacked(remat):
   blocks = [params["Transformer"][f"encoderblock_{i}"] for i in range(3)]
   by_hand = {**params, "Transformer": {"encoder_norm": params["Transformer"]["encoder_norm"]}}
   by_hand["Transformer"]["encoderblock"] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
-  jax.tree.map(np.testing.assert_array_equal, vit.stack_blocks(params, 3), by_hand)
-  jax.tree.map(np.testing.assert_array_equal, vit.unstack_blocks(by_hand, 3), params)
+  jax.tree.map(np.testing.assert_array_equal, vit.stack_blocks(params), by_hand)
+  jax.tree.map(np.testing.assert_array_equal, vit.unstack_blocks(by_hand), params)
   own = jax.eval_shape(lambda: scanned.init(jax.random.key(0), x)["params"])
   assert jax.tree.map(jnp.shape, own) == jax.tree.map(jnp.shape, by_hand)
   np.testing.assert_allclose(scanned.apply({"params": by_hand}, x), unrolled.apply({"params": params}, x), atol=1e-6)
   loss = lambda model: lambda p: jnp.sum(jnp.square(model.apply({"params": p}, x)))
   want = jax.grad(loss(unrolled))(params)
-  got = vit.unstack_blocks(jax.grad(loss(scanned))(by_hand), 3)
+  got = vit.unstack_blocks(jax.grad(loss(scanned))(by_hand))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
 
 
@@ -151,7 +151,7 @@ def test_a_scanned_block_drops_its_own_path_rate():
   scanned = vit.ViT(**SMALL, depth=2, stochastic_depth=0.9999, scan=True, remat=True)
   params = unrolled.init(jax.random.key(0), x)["params"]
   params["head"]["kernel"] = jax.random.normal(jax.random.key(2), params["head"]["kernel"].shape)  # not zeros
-  stacked = vit.stack_blocks(params, 2)
+  stacked = vit.stack_blocks(params)
   rngs = {"dropout": jax.random.key(3)}
   trained = scanned.apply({"params": stacked}, x, train=True, rngs=rngs)
   np.testing.assert_allclose(trained, unrolled.apply({"params": params}, x, train=True, rngs=rngs), atol=1e-5)

@@ -49,6 +49,7 @@ def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=No
     shared_pattern=config.shared_params,
     lr_fn=s.parts.lr_fn,
     mixup=config.mixup,
+    particle_devices=dp,
     **scaling,
   )
   spmd_records, ref_records = [], []
@@ -90,13 +91,31 @@ def assert_same_run(s, ref, spmd_records, ref_records, rtol=2e-4, atol=2e-5, out
 
 @pytest.mark.parametrize("dp,dd,p", CASES)
 def test_ipf_step_matches_reference(dp, dd, p):
-  # High temperature and ess_threshold=0.9: resampling on most steps, with jitter on the copies.
-  config = helpers.tiny_config(
-    num_particles=p, temperature=4.0, forgetting=0.8, correction=0.5, ess_threshold=0.9, jitter=1e-3
-  )
+  config = helpers.tiny_config(num_particles=p, **helpers.RESAMPLING)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   if p > 1:
     assert sum(r["resampled"] for r in refr) >= 1, "the test must exercise resampling"
+  assert_same_run(s, ref, spmd, refr)
+
+
+def _ascending(src):
+  """The ascending rule's ``src`` with the same survivors and copies: freed slots, ascending, take the copies
+  in ancestor order (one island)."""
+  src = np.array(src)
+  moved = src != np.arange(len(src))
+  src[moved] = np.sort(src[moved])
+  return src
+
+
+@pytest.mark.parametrize("dp,dd,p", [(8, 1, 16), (4, 2, 16)])
+def test_local_placement_step_matches_reference(dp, dd, p):
+  """``resample_placement="local"``: the step against the reference placing the copies by its own loops
+  (``reference.local_slots``) for the mesh's ``Dp`` and ``L``, resampling on most steps with jitter, and at
+  least one resampling whose copies sit elsewhere than the ascending rule puts them."""
+  config = helpers.tiny_config(num_particles=p, resample_placement="local", **helpers.RESAMPLING)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  placed = [r["ancestors"] for r in refr if r["resampled"]]
+  assert any(not np.array_equal(a, _ascending(a)) for a in placed), "no copy placed off the ascending rule"
   assert_same_run(s, ref, spmd, refr)
 
 
@@ -142,12 +161,8 @@ def test_islands_match_reference(dp, dd, p, islands):
   config = helpers.tiny_config(
     num_particles=p,
     islands=islands,
-    temperature=4.0,
-    forgetting=0.8,
-    correction=0.5,
-    ess_threshold=0.9,
-    jitter=1e-3,
     jitter_lr=0.01,
+    **helpers.RESAMPLING,
   )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4, poison=1 if islands == p else None)
   n = p // islands

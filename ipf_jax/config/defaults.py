@@ -159,6 +159,11 @@ def _particles(config: ml_collections.ConfigDict) -> None:
                                        # collective of P particles) | rounds (one-particle ppermute rounds,
                                        # only those needed) | ragged (one ragged_all_to_all per leaf; GPU/TPU
                                        # only, not yet run on one) | auto (= rounds: BENCHMARKS.md "Scaling")
+  config.resample_placement = "ascending"  # which freed slot takes which copy: ascending (the copies in
+                                       # ancestor order; the same on any mesh) | local (on the copy's own
+                                       # device first, then the rounds that fill the most slots: fewer
+                                       # rounds to run, the result the same in distribution but not in value
+                                       # across meshes; BENCHMARKS.md "Placing the copies")
   config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
                                        # train batches before evaluating and exporting it (0 = weighted average)
 

@@ -16,6 +16,7 @@ import ml_collections
 from ipf_jax import models
 from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
 from ipf_jax.population import exchange
+from ipf_jax.population import particle_filter as pf
 from ipf_jax.spmd import mesh as mesh_lib
 from ipf_jax.spmd.optim import ELEMENTWISE, OPTIMIZERS
 from ipf_jax.spmd.spec import ParticleSpec
@@ -100,6 +101,7 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
     compress_correction=bool(config.compress_correction) and config.correction > 0,
     elastic_pull=float(config.elastic_pull),
     resample_exchange=config.resample_exchange,
+    resample_placement=config.resample_placement,
     ess_target=float(config.ess_target),
     weigh_on=config.weigh_on,
     common_examples=int(config.common_examples),
@@ -190,6 +192,7 @@ def _validate_numbers(config: ml_collections.ConfigDict) -> None:
     ("init", INITS),
     ("particle_loop", PARTICLE_LOOPS),
     ("resample_exchange", EXCHANGES),
+    ("resample_placement", pf.PLACEMENTS),
     ("weigh_on", WEIGH_ON),
   ):
     _check_choice(config, field, choices)

@@ -20,9 +20,11 @@ ViT-B/16; ``tests/test_models.py`` counts them).
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,21 +214,52 @@ class ViT(nn.Module):
     raise ValueError(f"posemb must be learn or sincos2d, got {self.posemb!r}")
 
 
-def stack_blocks(params, depth: int):
+_LAYER = re.compile(r"^(?P<stack>(?:.*/)?encoderblock)_(?P<i>\d+)/(?P<rest>.+)$")  # one of the unrolled blocks
+_STACKED = re.compile(r"^(?P<stack>(?:.*/)?encoderblock)/(?P<rest>.+)$")  # the scanned blocks, stacked
+
+
+def as_layout(have: dict, want) -> dict:
+  """``have`` (``{"a/b/kernel": array}``) with a ViT's blocks in the layout of ``want``'s names: the unrolled
+  ``encoderblock_{i}/x`` stacked as ``encoderblock/x`` (``[depth, ...]``) where ``want`` has that name, and a
+  stacked leaf cut into the unrolled ones where ``want`` has those, when the blocks are exactly ``0 .. n - 1``
+  on both sides. Anything else is left as it is, for the caller to name (``pretrained.for_model``)."""
+
+  def blocks(names, other):  # {stacked name: {i: unrolled name}} of the names whose stacked form is in other
+    out = {}
+    for name in names:
+      m = _LAYER.match(name)
+      if m and name not in other and f"{m['stack']}/{m['rest']}" in other:
+        out.setdefault(f"{m['stack']}/{m['rest']}", {})[int(m["i"])] = name
+    return out
+
+  out = dict(have)
+  for stacked, names in blocks(have, want).items():  # unrolled here, stacked in the model
+    if stacked not in have and sorted(names) == list(range(len(names))):
+      out[stacked] = np.stack([np.asarray(out.pop(names[i])) for i in range(len(names))])
+  for stacked, names in blocks(want, have).items():  # stacked here, unrolled in the model
+    value = np.asarray(have[stacked])
+    if stacked not in want and value.ndim and sorted(names) == list(range(value.shape[0])):
+      out.update({name: value[i] for i, name in names.items()})
+      del out[stacked]
+  return out
+
+
+def stack_blocks(params):
   """An unrolled ViT's parameters as the scanned model's (``scan=True``): ``Transformer/encoderblock_{i}``
-  stacked along a new leading axis into ``Transformer/encoderblock``; ``unstack_blocks`` is the inverse."""
-  transformer = dict(params["Transformer"])
-  layers = [transformer.pop(f"encoderblock_{i}") for i in range(depth)]
-  transformer["encoderblock"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return {**params, "Transformer": transformer}
+  stacked along a new leading axis into ``Transformer/encoderblock`` (``as_layout``); ``unstack_blocks`` is
+  the inverse."""
+  flat = traverse_util.flatten_dict(params, sep="/")
+  want = {_LAYER.sub(r"\g<stack>/\g<rest>", name) for name in flat}
+  return traverse_util.unflatten_dict(as_layout(flat, want), sep="/")
 
 
-def unstack_blocks(params, depth: int):
-  """A scanned ViT's parameters as the unrolled model's (the inverse of ``stack_blocks``)."""
-  transformer = dict(params["Transformer"])
-  stacked = transformer.pop("encoderblock")
-  transformer.update({f"encoderblock_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(depth)})
-  return {**params, "Transformer": transformer}
+def unstack_blocks(params):
+  """A scanned ViT's parameters as the unrolled model's: the inverse of ``stack_blocks``."""
+  flat, want = traverse_util.flatten_dict(params, sep="/"), set()
+  for name, leaf in flat.items():
+    m = _STACKED.match(name)
+    want |= {f"{m['stack']}_{i}/{m['rest']}" for i in range(np.shape(leaf)[0])} if m else {name}
+  return traverse_util.unflatten_dict(as_layout(flat, want), sep="/")
 
 
 def create(

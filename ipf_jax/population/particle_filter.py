@@ -188,6 +188,50 @@ def sources(u, log_w, islands: int = 1):
   return own[donor].reshape(num)
 
 
+PLACEMENTS = ("ascending", "local")
+
+
+def place_local(src, num_local: int, islands: int = 1):
+  """``src`` with its copies moved between the slots they fill so that ``exchange_rounds`` runs fewer rounds
+  (``resample_placement = "local"``; DESIGN.md §3.5). Survivors (``src[n] == n``) stay; the copies of each
+  island (``islands`` consecutive groups of slots) stay in that island, so every particle keeps its number
+  of copies; only which freed slot takes which copy changes. Greedy, deterministic, the same on every
+  device: while a slot is free, take the round ``(k, j)`` (device ``d`` sends to ``d + k``, into slot ``j``;
+  ``k = 0`` a copy within a device) that fills the most free slots, a round within a device (``k = 0``)
+  before any other, ties to the smallest ``k`` then ``j``; each slot it fills takes the copy of lowest
+  index still waiting on its source device (in its island). ``num_local``: ``L``, the slots per device.
+
+  The result depends on the mesh (``Dp = P / L`` and ``L``), where ``sources`` alone does not: a copy's
+  slot sets which shard of the batch it trains on next and its jitter's draw, each independent of the
+  particle, so the population is the same in distribution, not in value, across meshes."""
+  num = src.shape[0]
+  axis_size, slots = num // num_local, jnp.arange(num, dtype=jnp.int32)
+  src = src.astype(jnp.int32)
+  moved = src != slots
+  island = slots // (num // islands)
+  src_dev = src // num_local  # the device each copy waits on
+  grid_island = island.reshape(axis_size, num_local)
+  ks, ts = jnp.arange(axis_size)[:, None], jnp.arange(axis_size)[None, :]
+  sender = (ts - ks) % axis_size  # [k, t]: the device t receives from in a round of shift k
+
+  def round_(carry):
+    waiting, free, out = carry
+    first = jnp.full((axis_size, islands), num, jnp.int32).at[src_dev, island].min(jnp.where(waiting, slots, num))
+    offer = first[sender[:, :, None], grid_island[None]]  # [k, t, j]: the copy slot j of t would take
+    fills = free.reshape(axis_size, num_local)[None] & (offer < num)
+    count = fills.sum(axis=1)  # [k, j]
+    count = count.at[0].add(jnp.where(count[0] > 0, num, 0))  # within a device first
+    k, j = jnp.divmod(jnp.argmax(count.ravel()).astype(jnp.int32), num_local)
+    take = fills[k, :, j]  # [t]
+    copy = jnp.where(take, offer[k, :, j], num)  # [t], num where t's slot j takes nothing
+    dest = jnp.where(take, jnp.arange(axis_size) * num_local + j, num)
+    out = out.at[dest].set(src[jnp.minimum(copy, num - 1)], mode="drop")
+    return waiting.at[copy].set(False, mode="drop"), free.at[dest].set(False, mode="drop"), out
+
+  _, _, out = lax.while_loop(lambda c: jnp.any(c[1]), round_, (moved, moved, slots))
+  return out
+
+
 def jitter(params, src, key, sigma: float, axis_name: str, shards: Optional[tuple] = None):
   """``theta += sigma * eps`` on the local slots that received a copy (``src[n] != n``).
 
@@ -253,6 +297,7 @@ def resample(
   exchange: Exchange = exchange_all_to_all,
   islands: int = 1,
   shards: Optional[tuple] = None,
+  placement: str = "ascending",
 ):
   """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
@@ -266,11 +311,14 @@ def resample(
     particle: tuple ``(params, ...)`` of local ``[L, ...]`` trees that move together.
     log_w: ``[L]`` local log-weights; ``all_log_w``: ``[P]`` all of them (replicated).
     shards: ``jitter``'s, when the parameters are shards of sharded particles (``fsdp.shards``).
+    placement: ``resample_placement``: ``ascending`` (``sources`` as it is) or ``local`` (``place_local``).
   Returns:
     ``(particle, uniform log-weights [L], src [P])``.
   """
   u = jax.random.uniform(stream(key, Stream.RESAMPLE))
   src = sources(u, all_log_w, islands)
+  if placement == "local":
+    src = place_local(src, all_log_w.shape[0] // axis_size, islands)
   params, *rest = exchange(particle, src, axis_name, axis_size)
   if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
     params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name, shards)

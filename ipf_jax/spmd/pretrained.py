@@ -24,36 +24,10 @@ import orbax.checkpoint as ocp
 from flax import serialization, traverse_util
 
 from ipf_jax.errors import ConfigError
+from ipf_jax.models import vit
 from ipf_jax.spmd import sharing
 
 COLLECTIONS = ("params", "batch_stats")
-_LAYER = re.compile(r"^(?P<stack>(?:.*/)?encoderblock)_(?P<i>\d+)/(?P<rest>.+)$")  # one of a ViT's unrolled blocks
-
-
-def as_layout(have: dict, want) -> dict:
-  """``have`` (``{"a/b/kernel": array}``) with a ViT's blocks in the layout of ``want``'s names: the unrolled
-  ``encoderblock_{i}/x`` stacked as ``encoderblock/x`` (``[depth, ...]``) where ``want`` has that name, and a
-  stacked leaf cut into the unrolled ones where ``want`` has those, when the blocks are exactly ``0 .. n - 1``
-  on both sides. Anything else is left as it is (a mismatch is ``for_model``'s to name)."""
-
-  def blocks(names, other):  # {stacked name: {i: unrolled name}} of the names whose stacked form is in other
-    out = {}
-    for name in names:
-      m = _LAYER.match(name)
-      if m and name not in other and f"{m['stack']}/{m['rest']}" in other:
-        out.setdefault(f"{m['stack']}/{m['rest']}", {})[int(m["i"])] = name
-    return out
-
-  out = dict(have)
-  for stacked, names in blocks(have, want).items():  # unrolled here, stacked in the model
-    if stacked not in have and sorted(names) == list(range(len(names))):
-      out[stacked] = np.stack([np.asarray(out.pop(names[i])) for i in range(len(names))])
-  for stacked, names in blocks(want, have).items():  # stacked here, unrolled in the model
-    value = np.asarray(have[stacked])
-    if stacked not in want and value.ndim and sorted(names) == list(range(value.shape[0])):
-      out.update({name: value[i] for i, name in names.items()})
-      del out[stacked]
-  return out
 
 
 def _resolve(path: str) -> str:
@@ -150,7 +124,7 @@ def for_model(path: str, reinit: str, variables_shape: dict, particle: int = -1)
     have = loaded.get(collection)
     if not want or (collection == "batch_stats" and not have):
       continue
-    have = as_layout(have or {}, want)
+    have = vit.as_layout(have or {}, want)
     missing = sorted(k for k in want if k not in have and not fresh(k))
     extra = sorted(k for k in have if k not in want and not fresh(k))
     wrong = sorted(

@@ -24,6 +24,7 @@ class ParticleSpec:
   elastic_pull: float = 0.0
   particle_loop: str = "vmap"  # resolved: vmap | map | unroll
   resample_exchange: str = "auto"  # all_to_all | rounds | auto (population.exchange.choose_exchange)
+  resample_placement: str = "ascending"  # ascending | local (population.particle_filter.place_local)
   weigh_on: str = "own"
   common_examples: int = 2
   ess_target: float = 0.0

@@ -354,7 +354,16 @@ def resample_phase(
 
   def resample(particle, log_w):
     return pf.resample(
-      key, particle, log_w, all_log_w, dp, sigma, exchange=exchange, islands=spec.islands, shards=fsdp.shards(dims)
+      key,
+      particle,
+      log_w,
+      all_log_w,
+      dp,
+      sigma,
+      exchange=exchange,
+      islands=spec.islands,
+      shards=fsdp.shards(dims),
+      placement=spec.resample_placement,
     )
 
   particle = (state.params, state.batch_stats, state.opt_state, state.residual)
