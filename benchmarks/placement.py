@@ -1,6 +1,6 @@
 """Where the copies go (``resample_placement``): the rounds ``exchange_rounds`` runs, ascending against local.
 
-  python -m benchmarks.placement                           # the round counts, 30 s
+  python -m benchmarks.placement                           # the round counts, 2 min
   python -m benchmarks.placement --time --model cnn        # and the step, resampling every step, 8 devices
 
 A resampling's cost in the ``rounds`` exchange is its rounds: each round across devices (shift ``k > 0``)
@@ -38,8 +38,7 @@ from ipf_jax.population import particle_filter as pf  # noqa: E402
 
 def rounds(src, num_local: int) -> tuple[int, int]:
   """(rounds across devices, rounds within one) that ``exchange_rounds`` runs for ``src``."""
-  need = np.asarray(exchange_lib.active_rounds(jnp.asarray(src), num_local, len(src) // num_local))
-  return int(need[1:].sum()), int(need[0].sum())
+  return tuple(int(x) for x in exchange_lib.count_rounds(jnp.asarray(src), num_local))
 
 
 def count(dp: int, num_local: int, sigma: float, cull: float, draws: int, seed: int = 0) -> dict:

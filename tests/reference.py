@@ -96,11 +96,20 @@ def survivor_slots(ancestors):
   return src
 
 
+def rounds(src, num_local):
+  """``(across, within)``: the distinct (shift, slot) pairs the moved slots of ``src`` need, shift > 0 and
+  shift 0 (``exchange_rounds``'s rounds)."""
+  dp = len(src) // num_local
+  need = {((n // num_local - src[n] // num_local) % dp, n % num_local) for n in range(len(src)) if src[n] != n}
+  return sum(k > 0 for k, _ in need), sum(k == 0 for k, _ in need)
+
+
 def local_slots(src, num_local, islands):
   """``resample_placement="local"`` by plain loops: survivors stay; while a slot is free, the round (shift
   ``k`` from the device ``t - k``, into slot ``j`` of every device ``t``) that fills the most free slots, a
   round within a device first, ties to the smallest ``(k, j)``; a filled slot takes the lowest-index copy
-  still waiting on its source device in its island (a copy's index: the slot ``src`` gave it)."""
+  still waiting on its source device in its island (a copy's index: the slot ``src`` gave it). ``src`` itself
+  where that would need more rounds across devices (or as many and more in all)."""
   p = len(src)
   dp, size = p // num_local, p // islands
   moved = [n for n in range(p) if src[n] != n]
@@ -130,7 +139,8 @@ def local_slots(src, num_local, islands):
         out[t * num_local + j] = src[e]
         waiting.remove(e)
         free.discard(t * num_local + j)
-  return out
+  (across, within), (was_across, was_within) = rounds(out, num_local), rounds(src, num_local)
+  return out if (across, across + within) <= (was_across, was_across + was_within) else list(src)
 
 
 def _split(tree, pattern):

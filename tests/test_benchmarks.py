@@ -135,6 +135,19 @@ def test_exchange_buckets_benchmark_tiny():
   assert s["devices"] == 4 and all(v > 0 for v in s["peak_mib"].values())
 
 
+def test_placement_benchmark_tiny():
+  """The round counts of both placements, and the step resampling every step with each, on 4 devices."""
+  s = run_module(
+    "benchmarks.placement",
+    *("--meshes", "4x2", "--sigmas", "1", "--draws", "5", "--time", "--per_particle_batch", "2"),
+    *("--repeats", "1", "--rounds", "1"),
+    devices=4,
+  )
+  (row,) = s["rows"]
+  assert (row["Dp"], row["L"]) == (4, 2) and row["across_ascending"] > 0 and row["across_local"] > 0
+  assert [r["placement"] for r in s["steps"]] == ["ascending", "local"] and all(r["step_s"] > 0 for r in s["steps"])
+
+
 def test_uncertainty_benchmark_tiny_with_a_calibration_set():
   method = "ipf correction=0 + islands=4 + init=independent (ess_threshold=0.9)"
   s = run_module(

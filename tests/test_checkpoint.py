@@ -116,7 +116,7 @@ def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
     jax.random.PRNGKey(0), dst.task, dst.tx, helpers.digits_data().example, 8, dst.mesh
   )
   restored, meta = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(abstract, target)
-  assert meta["num_devices"] == jax.device_count()
+  assert meta["num_devices"] == jax.device_count() and meta["particle_devices"] == 8  # saved on (8, 1)
   assert restored.params["Dense_0"]["kernel"].sharding.mesh.shape == {"particle": dp, "data": dd}
   assert_same_state(jax.device_get(restored), saved)
   dst.state, m = dst.train_step(restored, dst.put(images, labels))  # training goes on on the new mesh
@@ -147,6 +147,18 @@ def test_float16_loss_scale_survives_a_restart(tmp_path):
   restored, _ = checkpoint_lib.Checkpointer(str(tmp_path)).restore_latest(dst.abstract, dst.config)
   assert_same_state(jax.device_get(restored), saved)
   assert restored.dynamic_scale.growth_interval == 3
+
+
+def test_a_resume_onto_another_particle_mesh_is_said_with_local_placement():
+  """``resample_placement="local"`` places copies by the particle mesh, so a resume onto another ``Dp`` is
+  warned about (``trainer`` logs ``placement_note``); the ascending placement, the same ``Dp`` and a
+  checkpoint that did not record its ``Dp`` say nothing."""
+  local = helpers.tiny_config(resample_placement="local")
+  note = compatibility.placement_note(local, {"particle_devices": 8}, 4)
+  assert "written on 8 particle device(s), this run has 4" in note
+  assert compatibility.placement_note(local, {"particle_devices": 4}, 4) is None
+  assert compatibility.placement_note(local, {}, 4) is None
+  assert compatibility.placement_note(helpers.tiny_config(), {"particle_devices": 8}, 4) is None
 
 
 def test_changed_fields_lists_every_difference_from_the_saved_config():

@@ -132,6 +132,10 @@ def test_the_scanned_vit_is_the_unrolled_one_with_its_blocks_stacked(remat):
   by_hand = {**params, "Transformer": {"encoder_norm": params["Transformer"]["encoder_norm"]}}
   by_hand["Transformer"]["encoderblock"] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
   jax.tree.map(np.testing.assert_array_equal, vit.stack_blocks(params), by_hand)
+  jax.tree.map(np.testing.assert_array_equal, jax.jit(vit.stack_blocks)(params), by_hand)  # traceable
+  gap = {**params, "Transformer": {k: v for k, v in params["Transformer"].items() if k != "encoderblock_1"}}
+  with pytest.raises(ValueError, match="left unstacked: Transformer/encoderblock_0/"):
+    vit.stack_blocks(gap)
   jax.tree.map(np.testing.assert_array_equal, vit.unstack_blocks(by_hand), params)
   own = jax.eval_shape(lambda: scanned.init(jax.random.key(0), x)["params"])
   assert jax.tree.map(jnp.shape, own) == jax.tree.map(jnp.shape, by_hand)

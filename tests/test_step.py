@@ -98,24 +98,28 @@ def test_ipf_step_matches_reference(dp, dd, p):
   assert_same_run(s, ref, spmd, refr)
 
 
-def _ascending(src):
-  """The ascending rule's ``src`` with the same survivors and copies: freed slots, ascending, take the copies
-  in ancestor order (one island)."""
+def _ascending(src, islands):
+  """The ascending rule's ``src`` with the same survivors and copies: in each island, freed slots, ascending,
+  take the copies in ancestor order (no island culled)."""
   src = np.array(src)
-  moved = src != np.arange(len(src))
-  src[moved] = np.sort(src[moved])
+  for block in np.split(np.arange(len(src)), islands):
+    moved = block[src[block] != block]
+    src[moved] = np.sort(src[moved])
   return src
 
 
-@pytest.mark.parametrize("dp,dd,p", [(8, 1, 16), (4, 2, 16)])
-def test_local_placement_step_matches_reference(dp, dd, p):
+# Two islands run 2 steps: at the third, one particle (a jittered copy) sits where its float32 gradient is not
+# smooth (the vmapped and the one-at-a-time gradient of the same weights and batch differ by 6e-3 there, measured;
+# every other particle by 1e-7), which no placement causes and no tolerance should hide.
+@pytest.mark.parametrize("dp,dd,p,islands,steps", [(8, 1, 16, 1, 4), (4, 2, 16, 1, 4), (8, 1, 16, 2, 2)])
+def test_local_placement_step_matches_reference(dp, dd, p, islands, steps):
   """``resample_placement="local"``: the step against the reference placing the copies by its own loops
   (``reference.local_slots``) for the mesh's ``Dp`` and ``L``, resampling on most steps with jitter, and at
   least one resampling whose copies sit elsewhere than the ascending rule puts them."""
-  config = helpers.tiny_config(num_particles=p, resample_placement="local", **helpers.RESAMPLING)
-  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
+  config = helpers.tiny_config(num_particles=p, islands=islands, resample_placement="local", **helpers.RESAMPLING)
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=steps)
   placed = [r["ancestors"] for r in refr if r["resampled"]]
-  assert any(not np.array_equal(a, _ascending(a)) for a in placed), "no copy placed off the ascending rule"
+  assert any(not np.array_equal(a, _ascending(a, islands)) for a in placed), "no copy placed off the ascending rule"
   assert_same_run(s, ref, spmd, refr)
 
 

@@ -162,8 +162,9 @@ def _particles(config: ml_collections.ConfigDict) -> None:
   config.resample_placement = "ascending"  # which freed slot takes which copy: ascending (the copies in
                                        # ancestor order; the same on any mesh) | local (on the copy's own
                                        # device first, then the rounds that fill the most slots: fewer
-                                       # rounds to run, the result the same in distribution but not in value
-                                       # across meshes; BENCHMARKS.md "Placing the copies")
+                                       # rounds across devices, never more; each particle's expected copies
+                                       # unchanged, but the run depends on the particle mesh;
+                                       # BENCHMARKS.md "Placing the copies")
   config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
                                        # train batches before evaluating and exporting it (0 = weighted average)
 

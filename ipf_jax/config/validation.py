@@ -192,7 +192,7 @@ def _validate_numbers(config: ml_collections.ConfigDict) -> None:
     ("init", INITS),
     ("particle_loop", PARTICLE_LOOPS),
     ("resample_exchange", EXCHANGES),
-    ("resample_placement", pf.PLACEMENTS),
+    ("resample_placement", tuple(pf.PLACEMENTS)),
     ("weigh_on", WEIGH_ON),
   ):
     _check_choice(config, field, choices)

@@ -218,11 +218,12 @@ _LAYER = re.compile(r"^(?P<stack>(?:.*/)?encoderblock)_(?P<i>\d+)/(?P<rest>.+)$"
 _STACKED = re.compile(r"^(?P<stack>(?:.*/)?encoderblock)/(?P<rest>.+)$")  # the scanned blocks, stacked
 
 
-def as_layout(have: dict, want) -> dict:
+def as_layout(have: dict, want, xp=np) -> dict:
   """``have`` (``{"a/b/kernel": array}``) with a ViT's blocks in the layout of ``want``'s names: the unrolled
   ``encoderblock_{i}/x`` stacked as ``encoderblock/x`` (``[depth, ...]``) where ``want`` has that name, and a
   stacked leaf cut into the unrolled ones where ``want`` has those, when the blocks are exactly ``0 .. n - 1``
-  on both sides. Anything else is left as it is, for the caller to name (``pretrained.for_model``)."""
+  on both sides. Anything else is left as it is, for the caller to name (``pretrained.for_model``). ``xp``:
+  ``np`` for host arrays (a checkpoint), ``jnp`` for device arrays and tracers."""
 
   def blocks(names, other):  # {stacked name: {i: unrolled name}} of the names whose stacked form is in other
     out = {}
@@ -235,9 +236,9 @@ def as_layout(have: dict, want) -> dict:
   out = dict(have)
   for stacked, names in blocks(have, want).items():  # unrolled here, stacked in the model
     if stacked not in have and sorted(names) == list(range(len(names))):
-      out[stacked] = np.stack([np.asarray(out.pop(names[i])) for i in range(len(names))])
+      out[stacked] = xp.stack([xp.asarray(out.pop(names[i])) for i in range(len(names))])
   for stacked, names in blocks(want, have).items():  # stacked here, unrolled in the model
-    value = np.asarray(have[stacked])
+    value = xp.asarray(have[stacked])
     if stacked not in want and value.ndim and sorted(names) == list(range(value.shape[0])):
       out.update({name: value[i] for i, name in names.items()})
       del out[stacked]
@@ -246,11 +247,16 @@ def as_layout(have: dict, want) -> dict:
 
 def stack_blocks(params):
   """An unrolled ViT's parameters as the scanned model's (``scan=True``): ``Transformer/encoderblock_{i}``
-  stacked along a new leading axis into ``Transformer/encoderblock`` (``as_layout``); ``unstack_blocks`` is
-  the inverse."""
+  stacked along a new leading axis into ``Transformer/encoderblock`` (``as_layout``; ``jnp``, so under
+  ``jit`` too); ``unstack_blocks`` is the inverse. Blocks not numbered ``0 .. depth - 1`` are a
+  ``ValueError``."""
   flat = traverse_util.flatten_dict(params, sep="/")
   want = {_LAYER.sub(r"\g<stack>/\g<rest>", name) for name in flat}
-  return traverse_util.unflatten_dict(as_layout(flat, want), sep="/")
+  out = as_layout(flat, want, jnp)
+  left = sorted(name for name in out if _LAYER.match(name))
+  if left:
+    raise ValueError(f"blocks not numbered 0 .. depth - 1 without a gap, left unstacked: {', '.join(left[:3])}")
+  return traverse_util.unflatten_dict(out, sep="/")
 
 
 def unstack_blocks(params):
@@ -259,7 +265,7 @@ def unstack_blocks(params):
   for name, leaf in flat.items():
     m = _STACKED.match(name)
     want |= {f"{m['stack']}_{i}/{m['rest']}" for i in range(np.shape(leaf)[0])} if m else {name}
-  return traverse_util.unflatten_dict(as_layout(flat, want), sep="/")
+  return traverse_util.unflatten_dict(as_layout(flat, want, jnp), sep="/")
 
 
 def create(

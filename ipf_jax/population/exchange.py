@@ -46,7 +46,7 @@ def exchange_fn(method: str) -> Exchange:
 
 def exchange(tree, src, axis_name: str, axis_size: int, method: str = "all_to_all"):
   """``exchange_fn(method)(tree, src, axis_name, axis_size)``: all three are exact copies. ``rounds`` and
-  ``ragged`` need ``src`` from ``particle_filter.assign_slots`` (every source keeps its own slot,
+  ``ragged`` need ``src`` from ``particle_filter.sources`` or a placement of it (every source keeps its own slot,
   ``src[src[n]] == src[n]``); ``all_to_all`` takes any ``src``."""
   return exchange_fn(method)(tree, src, axis_name, axis_size)
 
@@ -92,6 +92,13 @@ def active_rounds(src, num_local: int, axis_size: int):
   shift = (slots // num_local - src // num_local) % axis_size
   need = jnp.zeros((axis_size, num_local), jnp.int32).at[shift, slots % num_local].max(moved.astype(jnp.int32))
   return need > 0
+
+
+def count_rounds(src, num_local: int):
+  """``(across, within)``: how many rounds ``exchange_rounds`` runs for ``src`` across devices (``k > 0``, each
+  sends one particle from every device) and within one (``k = 0``, a local copy); int32 scalars."""
+  need = active_rounds(src, num_local, src.shape[0] // num_local)
+  return jnp.sum(need[1:], dtype=jnp.int32), jnp.sum(need[0], dtype=jnp.int32)
 
 
 BUCKET_BYTES = 4 << 20
@@ -166,7 +173,7 @@ def _shifts(axis_name: str, axis_size: int) -> list:
 def exchange_rounds(tree, src, axis_name: str, axis_size: int, bucket_bytes: Optional[int] = None):
   """``new[n] = old[src[n]]`` by rounds of one particle: memory and traffic for what moves.
 
-  Needs ``src`` from ``particle_filter.assign_slots`` (every source is a survivor kept in its own slot,
+  Needs ``src`` from ``particle_filter.sources`` or a placement of it (every source is a survivor in its own slot,
   ``src[src[n]] == src[n]``): slots that receive are never read afterwards, so the rounds update the
   state in place, in any order.
 
@@ -246,7 +253,7 @@ def ragged_plan(src, me, num_local: int, axis_size: int):
 def exchange_ragged(tree, src, axis_name: str, axis_size: int):
   """``new[n] = old[src[n]]`` with one ``lax.ragged_all_to_all`` per leaf (``ragged_plan``): each moved slot
   receives its particle straight into the leaf, survivors never move, no buffer beyond the leaves, and a
-  program whose size does not depend on ``Dp`` or ``L``. Needs ``src`` from ``particle_filter.assign_slots``
+  program whose size does not depend on ``Dp`` or ``L``. Needs ``src`` from ``particle_filter.sources`` (or a placement)
   (receiving slots are never sources). For GPUs and TPUs: XLA:CPU does not implement ``ragged-all-to-all``
   (jaxlib 0.10-0.12), so it is tested here by its plan against a numpy simulation of the collective and by
   its lowering, not run.

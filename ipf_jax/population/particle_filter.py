@@ -10,14 +10,14 @@ particles with an exchange from ``exchange.py``.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ipf_jax.population.exchange import Exchange, exchange_all_to_all
+from ipf_jax.population.exchange import Exchange, count_rounds, exchange_all_to_all
 from ipf_jax.population.streams import Stream, stream
 
 
@@ -188,25 +188,35 @@ def sources(u, log_w, islands: int = 1):
   return own[donor].reshape(num)
 
 
-PLACEMENTS = ("ascending", "local")
+def place_ascending(src, num_local: int, islands: int = 1):
+  """``resample_placement = "ascending"``: ``src`` as ``sources`` made it (freed slots take the copies in
+  ancestor order), the same on any mesh."""
+  del num_local, islands
+  return src
 
 
 def place_local(src, num_local: int, islands: int = 1):
-  """``src`` with its copies moved between the slots they fill so that ``exchange_rounds`` runs fewer rounds
-  (``resample_placement = "local"``; DESIGN.md §3.5). Survivors (``src[n] == n``) stay; the copies of each
-  island (``islands`` consecutive groups of slots) stay in that island, so every particle keeps its number
-  of copies; only which freed slot takes which copy changes. Greedy, deterministic, the same on every
-  device: while a slot is free, take the round ``(k, j)`` (device ``d`` sends to ``d + k``, into slot ``j``;
-  ``k = 0`` a copy within a device) that fills the most free slots, a round within a device (``k = 0``)
-  before any other, ties to the smallest ``k`` then ``j``; each slot it fills takes the copy of lowest
-  index still waiting on its source device (in its island). ``num_local``: ``L``, the slots per device.
+  """``resample_placement = "local"``: ``src`` (``[P]`` int, from ``sources``) as ``[P]`` int32 with its copies
+  moved between the slots they fill so that ``exchange_rounds`` runs fewer rounds across devices (DESIGN.md
+  §3.5). Survivors (``src[n] == n``) stay, and the copies of each island (``islands`` consecutive groups of
+  slots) stay in it, so every particle keeps its number of copies; only which freed slot takes which copy
+  changes. Greedy, deterministic, the same on every device: while a slot is free, take the round ``(k, j)``
+  (device ``d`` sends to ``d + k``, into slot ``j``; ``k = 0`` a copy within a device) that fills the most
+  free slots, a round within a device (``k = 0``) before any other, ties to the smallest ``k`` then ``j``;
+  each slot it fills takes, of the copies still waiting on its source device in its island, the one ``src``
+  put in the lowest slot. The greedy is not optimal: where it would run more rounds across devices than
+  ``src`` (or as many and more in all; about 1 draw in 200), ``src`` is kept. ``num_local``: ``L``, the slots
+  per device.
 
-  The result depends on the mesh (``Dp = P / L`` and ``L``), where ``sources`` alone does not: a copy's
-  slot sets which shard of the batch it trains on next and its jitter's draw, each independent of the
-  particle, so the population is the same in distribution, not in value, across meshes."""
+  The run then depends on the mesh (``Dp = P / L`` and ``L``), where ``sources`` alone does not: each
+  resampling is as unbiased as before (a particle's expected number of copies is ``P w``), but a copy's slot
+  sets which shard of the batch it trains on, its jitter's draw, and its place in the next resampling's
+  cumulative sum."""
   num = src.shape[0]
-  axis_size, slots = num // num_local, jnp.arange(num, dtype=jnp.int32)
   src = src.astype(jnp.int32)
+  if num_local == num:  # one device: every copy is local, and the rule is the ascending one
+    return src
+  axis_size, slots = num // num_local, jnp.arange(num, dtype=jnp.int32)
   moved = src != slots
   island = slots // (num // islands)
   src_dev = src // num_local  # the device each copy waits on
@@ -229,7 +239,13 @@ def place_local(src, num_local: int, islands: int = 1):
     return waiting.at[copy].set(False, mode="drop"), free.at[dest].set(False, mode="drop"), out
 
   _, _, out = lax.while_loop(lambda c: jnp.any(c[1]), round_, (moved, moved, slots))
-  return out
+  (across, within), (was_across, was_within) = count_rounds(out, num_local), count_rounds(src, num_local)
+  better = (across < was_across) | ((across == was_across) & (across + within <= was_across + was_within))
+  return jnp.where(better, out, src)
+
+
+# resample_placement: which freed slot takes which copy, ``place(src, num_local, islands) -> src``.
+PLACEMENTS = {"ascending": place_ascending, "local": place_local}
 
 
 def jitter(params, src, key, sigma: float, axis_name: str, shards: Optional[tuple] = None):
@@ -297,13 +313,13 @@ def resample(
   exchange: Exchange = exchange_all_to_all,
   islands: int = 1,
   shards: Optional[tuple] = None,
-  placement: str = "ascending",
+  place: Callable = place_ascending,
 ):
   """Systematic resampling of the whole population (or of each island), survivors in place (DESIGN.md §3.5).
 
-  ``u`` from ``Stream.RESAMPLE``; slot ``n`` takes particle ``sources(u, all_log_w, islands)[n]``
-  (``systematic_resample`` then ``assign_slots``, per island; survivors keep their slots, as
-  ``exchange_rounds`` requires), moved by ``exchange``;
+  ``u`` from ``Stream.RESAMPLE``; slot ``n`` takes particle ``src[n]``, ``src = place(sources(u, all_log_w,
+  islands), L, islands)`` (``systematic_resample`` then ``assign_slots``, per island, then the placement;
+  survivors keep their slots, as ``exchange_rounds`` requires), moved by ``exchange``;
   copies get ``jitter`` from ``Stream.JITTER`` when ``sigma`` (a float, or a traced scalar) is not
   ``0``; weights reset to ``-log P``.
 
@@ -311,14 +327,14 @@ def resample(
     particle: tuple ``(params, ...)`` of local ``[L, ...]`` trees that move together.
     log_w: ``[L]`` local log-weights; ``all_log_w``: ``[P]`` all of them (replicated).
     shards: ``jitter``'s, when the parameters are shards of sharded particles (``fsdp.shards``).
-    placement: ``resample_placement``: ``ascending`` (``sources`` as it is) or ``local`` (``place_local``).
+    place: ``PLACEMENTS[resample_placement]``, ``place(src, L, islands) -> src``: which freed slot takes which
+      copy.
   Returns:
     ``(particle, uniform log-weights [L], src [P])``.
   """
   u = jax.random.uniform(stream(key, Stream.RESAMPLE))
   src = sources(u, all_log_w, islands)
-  if placement == "local":
-    src = place_local(src, all_log_w.shape[0] // axis_size, islands)
+  src = place(src, all_log_w.shape[0] // axis_size, islands)
   params, *rest = exchange(particle, src, axis_name, axis_size)
   if not isinstance(sigma, (int, float)) or sigma:  # a traced sigma (jitter_lr) always applies
     params = jitter(params, src, stream(key, Stream.JITTER), sigma, axis_name, shards)

@@ -43,6 +43,7 @@ from etils import epath
 from ipf_jax.runtime import quiet
 from ipf_jax.runtime import workdir as workdir_lib
 from ipf_jax.runtime.compatibility import CheckpointError, Signature, check_compatible, signature
+from ipf_jax.spmd import mesh as mesh_lib
 
 log = logging.getLogger("ipf_jax")
 
@@ -134,6 +135,12 @@ def damage(path: str) -> Optional[str]:
   return None
 
 
+def _particle_devices(state) -> int:
+  """``Dp``, the devices of the particle axis the state lives on (1 off a mesh): ``meta["particle_devices"]``."""
+  sharding = getattr(state.log_weights, "sharding", None)
+  return int(dict(getattr(getattr(sharding, "mesh", None), "shape", {})).get(mesh_lib.PARTICLE, 1))
+
+
 class Checkpointer:
   """Saves every time it is asked, keeps the newest ``keep``; restores the newest one that can be used.
 
@@ -192,6 +199,7 @@ class Checkpointer:
       "step": int(step),
       "config": json.loads(config.to_json()),
       "num_devices": jax.device_count(),
+      "particle_devices": _particle_devices(state),
       "num_processes": jax.process_count(),
       "data": self.data_name,
       "optimizer": self.optimizer,

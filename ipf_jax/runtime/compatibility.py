@@ -45,7 +45,8 @@ def _flat_config(config) -> dict:
 
 # Fields that say how a run is run (logging, saving, devices, what the evaluation adds), not what it trains:
 # a resume may change them without a word. Another mesh or loop changes results only by float rounding (the
-# resume line says on how many devices the checkpoint was written). Any other difference is listed.
+# resume line says on how many devices the checkpoint was written), except another particle mesh with
+# resample_placement=local (placement_note: a warning). Any other difference is listed.
 HOW_FIELDS = frozenset(
   {
     "log_every_steps",
@@ -88,6 +89,20 @@ def changed_fields(saved_config: dict, config: ml_collections.ConfigDict) -> lis
   return [
     f"{k}: {a} -> {b}" for k, a, b in _differences(saved, current, sorted((set(saved) | set(current)) - HOW_FIELDS))
   ]
+
+
+def placement_note(config: ml_collections.ConfigDict, meta: dict, particle_devices: int) -> Optional[str]:
+  """What a resume onto another particle mesh changes with ``resample_placement="local"`` (copies placed by
+  ``Dp`` and ``L``: the run leaves the uninterrupted one at its next resampling), or ``None`` (the ascending
+  placement, the same particle mesh, or a checkpoint that did not record it)."""
+  saved = meta.get("particle_devices")
+  if config.get("resample_placement") != "local" or saved in (None, particle_devices):
+    return None
+  return (
+    f"resample_placement=local places the copies by the particle mesh: the checkpoint was written on {saved} "
+    f"particle device(s), this run has {particle_devices}, so from its next resampling on it is not the run the "
+    "checkpoint's mesh would have trained (each particle's expected number of copies is the same)"
+  )
 
 
 def decisive_fields(

@@ -164,6 +164,9 @@ class _Run:
         now["state"],
         "training continues" if self.for_training else "it is evaluated",
       )
+    note = compatibility.placement_note(self.config, meta, self.mesh.shape[mesh_lib.PARTICLE])
+    if note:
+      log.warning("%s", note)
     changed = compatibility.changed_fields(meta["config"], self.config)
     if changed:  # allowed (a longer run, a lower learning rate), but never unsaid
       log.warning(

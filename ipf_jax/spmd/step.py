@@ -363,7 +363,7 @@ def resample_phase(
       exchange=exchange,
       islands=spec.islands,
       shards=fsdp.shards(dims),
-      placement=spec.resample_placement,
+      place=pf.PLACEMENTS[spec.resample_placement],
     )
 
   particle = (state.params, state.batch_stats, state.opt_state, state.residual)
