@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if "--time" in sys.argv:  # the step needs the fake devices before JAX starts
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -31,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import Timed, config_for, measure, print_summary, print_table  # noqa: E402
+from benchmarks.common import Timed, config_for, measure, median_time, print_summary, print_table  # noqa: E402
 from ipf_jax.population import exchange as exchange_lib  # noqa: E402
 from ipf_jax.population import particle_filter as pf  # noqa: E402
 
@@ -74,13 +73,7 @@ def place_seconds(p: int, num_local: int, repeats: int = 20) -> float:
   w = pf.normalize(jnp.asarray(rng.normal(size=p) * 2, jnp.float32))
   src = pf.sources(jnp.float32(0.5), w, 1)
   place = jax.jit(pf.place_local, static_argnums=(1, 2))
-  jax.block_until_ready(place(src, num_local, 1))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(place(src, num_local, 1))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
+  return median_time(lambda: place(src, num_local, 1), repeats, warmup=1)
 
 
 def time_steps(args) -> list[dict]:
