@@ -82,8 +82,8 @@ def image_shape(args):
 class Timed:
   """A compiled train step with its state and one fixed batch."""
 
-  def __init__(self, config, args, spec_changes=None, exchange=None):
-    self.bench = Bench(config, image_shape(args), 10, spec_changes, exchange)
+  def __init__(self, config, args, spec_changes=None, exchange=None, shape=None):
+    self.bench = Bench(config, shape or image_shape(args), 10, spec_changes, exchange)
     self.state = self.bench.init()
     self.batch = self.bench.synthetic_batch()
 

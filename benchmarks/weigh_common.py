@@ -2,6 +2,7 @@
 
   python -m benchmarks.weigh_common                  # 8 CPU devices (set below), digits CNN
   python -m benchmarks.weigh_common --model resnet_tiny --image_size 32 --common_examples 2,8
+  python -m benchmarks.weigh_common --shape 28,28,1 --common_examples 2   # the CNN on Fashion-MNIST's images
 
 ``weigh_on=own`` weighs each particle by its training loss, which the step computes anyway.
 ``weigh_on=common`` also scores every particle on the same examples (``common_examples`` from each
@@ -24,7 +25,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 from benchmarks.common import measure, memory_mib, print_summary, print_table  # noqa: E402
-from benchmarks.common import Timed, config_for  # noqa: E402
+from benchmarks.common import Timed, config_for, image_shape  # noqa: E402
 
 
 def flops(compiled) -> float:
@@ -43,13 +44,18 @@ def main():
   parser.add_argument("--common_examples", default="2,8", help="a comma list: the values of common_examples")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--shape", default="", help="H,W,C of the images (default: the digits' 8,8,1 for the CNN)")
   args = parser.parse_args()
+  dims = args.shape.split(",") if args.shape else []
+  if args.shape and (len(dims) != 3 or not all(d.strip().isdigit() and int(d) > 0 for d in dims)):
+    parser.error(f"--shape {args.shape!r}: three positive integers, height,width,channels (e.g. 28,28,1)")
+  shape = tuple(int(d) for d in dims) or None
   p = jax.device_count()
   base, no_branch = dict(mode="ipf", num_particles=p), {"resampling": False}
-  variants = {"own": Timed(config_for(args, **base), args, no_branch)}
+  variants = {"own": Timed(config_for(args, **base), args, no_branch, shape=shape)}
   for k in args.common_examples.split(","):
     variants[f"common, {k} per particle"] = Timed(
-      config_for(args, **base, weigh_on="common", common_examples=int(k)), args, no_branch
+      config_for(args, **base, weigh_on="common", common_examples=int(k)), args, no_branch, shape=shape
     )
   compiled = {k: v.bench.compiled() for k, v in variants.items()}
   cost = {k: flops(c) for k, c in compiled.items()}
@@ -68,13 +74,18 @@ def main():
     }
     for k in variants
   ]
-  print(f"\nweigh_on ({p} particles on {p} devices, {args.model}, {args.per_particle_batch} examples per particle)")
+  shown = "x".join(map(str, shape or image_shape(args)))
+  print(
+    f"\nweigh_on ({p} particles on {p} devices, {args.model} on {shown} images, "
+    f"{args.per_particle_batch} examples per particle)"
+  )
   print_table(rows, list(rows[0]))
   print_summary(
     {
       "benchmark": "weigh_common",
       "devices": p,
       "model": args.model,
+      "shape": list(shape or image_shape(args)),
       "per_particle_batch": args.per_particle_batch,
       "flops_over_own": {k: cost[k] / cost["own"] for k in variants},
       "extra_gflop_per_device": {k: (cost[k] - cost["own"]) / 1e9 for k in variants},

@@ -175,10 +175,17 @@ def test_uncertainty_benchmark_tiny_with_a_calibration_set():
 
 
 def test_weigh_common_benchmark_tiny():
-  s = run_module("benchmarks.weigh_common", "--common_examples", "2", "--repeats", "1", "--rounds", "1", devices=2)
+  tiny = ("--common_examples", "2", "--repeats", "1", "--rounds", "1")
+  s = run_module("benchmarks.weigh_common", *tiny, devices=2)
   assert s["devices"] == 2 and set(s["flops_over_own"]) == {"own", "common, 2 per particle"}
   assert s["flops_over_own"]["common, 2 per particle"] > 1, "the common examples' forward pass costs FLOPs"
   assert all(v > 0 for v in s["time_over_own"].values()) and all(v > 0 for v in s["peak_over_own"].values())
+  assert s["shape"] == [8, 8, 1], "the CNN's default: the digits' images"
+  big = run_module("benchmarks.weigh_common", *tiny, "--shape", "16,16,1", devices=2)
+  assert big["shape"] == [16, 16, 1]
+  extra = "common, 2 per particle"
+  # 4x the pixels: the extra forward pass's convolutions cost about 4x
+  assert big["extra_gflop_per_device"][extra] > 2 * s["extra_gflop_per_device"][extra], (big, s)
 
 
 def test_cpu_collectives_tiny():
