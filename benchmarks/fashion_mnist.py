@@ -118,10 +118,13 @@ def run_steps(args, train_size: int = TRAIN_SIZE) -> int:
   return args.steps or round(args.epochs * steps_per_epoch(args.batch, train_size))
 
 
-def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None = None, data=None) -> dict:
+def run_one(
+  args, method: str, seed: int, workdir: str, overrides: dict | None = None, data=None, lr_scale: float = 1.0
+) -> dict:
   """One (method, seed) run as ``configs/fashion_mnist.py`` (``--vit``: ``fashion_mnist_vit.py`` with the small
-  ViT) with ``METHODS[method]`` (or ``overrides``); on ``data`` (e.g. an ``ArrayDataset``) instead of
-  Fashion-MNIST when given, without the shifted and OOD sets (they are the built-in data's: ``None``)."""
+  ViT) with ``METHODS[method]`` (or ``overrides``) and its ``base_lr`` times ``lr_scale``; on ``data`` (e.g. an
+  ``ArrayDataset``) instead of Fashion-MNIST when given, without the shifted and OOD sets (they are the built-in
+  data's: ``None``)."""
   config = (fashion_mnist_vit if args.vit else fashion_mnist).get_config()
   config.data_dir, config.seed = args.data_dir, seed
   config.global_batch_size, config.num_epochs = args.batch, float(args.epochs)
@@ -135,6 +138,7 @@ def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None =
     config.num_epochs, config.num_train_steps = 0.0, args.steps
   for k, v in (METHODS[method] if overrides is None else overrides).items():
     config[k] = v
+  config.base_lr *= lr_scale  # --lr_scales: the same grid for every method
   train_size = TRAIN_SIZE if data is None else data.train_size
   steps = run_steps(args, train_size)
   if args.eval_every_epochs:
@@ -155,6 +159,7 @@ def run_one(args, method: str, seed: int, workdir: str, overrides: dict | None =
   curve_steps, curve = scalars.get("eval/ensemble/accuracy", ([], []))
   row = {
     "method": method,
+    "lr_scale": lr_scale,
     "model": model_name(args),
     "commit": commit(),
     "seed": seed,
@@ -205,14 +210,24 @@ def reach_fraction(row: dict, target: float) -> float:
   return float("nan")
 
 
+def label(row: dict) -> str:
+  """A row's method, with its learning-rate scale when it is not the config's."""
+  scale = row.get("lr_scale", 1.0)
+  return row["method"] if scale == 1.0 else f"{row['method']} (lr x{scale:g})"
+
+
 def table(rows: list[dict]) -> str:
-  ddp = [r["ens_acc"] for r in rows if r["method"] == "ddp"]
-  target = float(np.mean(ddp)) if ddp else float("nan")
+  """One line per method and learning rate; ``reach_ddp`` against the best DDP learning rate's mean."""
+  ddp = {}
+  for r in rows:
+    if r["method"] == "ddp":
+      ddp.setdefault(r.get("lr_scale", 1.0), []).append(r["ens_acc"])
+  target = max((float(np.mean(v)) for v in ddp.values()), default=float("nan"))
   cols = COLUMNS + [("reach_ddp", 1, ".2f")]
   lines = ["| method | seeds | " + " | ".join(c for c, _, _ in cols) + " |", "|" + "---|" * (len(cols) + 2)]
   by_method = {}
   for r in rows:
-    by_method.setdefault(r["method"], []).append({**r, "reach_ddp": reach_fraction(r, target)})
+    by_method.setdefault(label(r), []).append({**r, "reach_ddp": reach_fraction(r, target)})
   for method, rs in by_method.items():
     cells = []
     for c, scale, f in cols:
@@ -234,7 +249,7 @@ def picture(rows: list[dict], path: str) -> None:
   fig, ax = plt.subplots(figsize=(7, 4.5))
   by_method = {}
   for r in rows:
-    by_method.setdefault(r["method"], []).append(r)
+    by_method.setdefault(label(r), []).append(r)
   for method, rs in by_method.items():
     longest = max(rs, key=lambda r: len(r["curve"]))  # rows without per-epoch evaluations have one point
     xs = np.asarray([s for s, _ in longest["curve"]]) / steps_per_epoch(longest["batch"])
@@ -281,6 +296,9 @@ def main():
     default="ddp,deep ensemble,ipf (defaults),ipf digits' most diverse",
     help="a comma list of: " + ", ".join(METHODS),
   )
+  parser.add_argument(
+    "--lr_scales", default="1", help="a comma list of factors on the config's base_lr, each run for every method"
+  )
   parser.add_argument("--shift_examples", type=int, default=500)
   parser.add_argument("--eval_every_epochs", type=float, default=1.0, help="0: only at the end (no curve)")
   parser.add_argument("--cnn_features", default="", help="e.g. 4,8 (smoke runs; the tables use the config's)")
@@ -302,28 +320,35 @@ def main():
   if args.vit and args.cnn_features:
     parser.error("--cnn_features sizes the CNN, and --vit trains a ViT instead: give one of them")
   joined = start_study(parser, args, METHODS)
+  try:
+    scales = [float(x) for x in args.lr_scales.split(",") if x.strip()]
+  except ValueError:
+    scales = []
+  if not scales or min(scales) <= 0:
+    parser.error(f"--lr_scales {args.lr_scales!r}: positive numbers, comma-separated (e.g. 0.125,0.25,0.5,1)")
   rows = [
     r
     for r in previous_rows(args)
     if (r["batch"], r["epochs"], r["steps"], r.get("model", "cnn"))
     == (args.batch, args.epochs, run_steps(args), model_name(args))
   ]
-  done = {(r["method"], r["seed"]) for r in rows}
+  done = {(r["method"], r.get("lr_scale", 1.0), r["seed"]) for r in rows}
   with tempfile.TemporaryDirectory() as tmp:
-    for method in joined:
-      for seed in range(args.first_seed, args.first_seed + args.seeds):
-        if (method, seed) in done:
-          continue
-        row = run_one(args, method, seed, os.path.join(tmp, f"{len(rows)}"))
-        rows.append(row)
-        if args.out:
-          with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(
-          f"done {method} seed {seed}: ens_acc {100 * row['ens_acc']:.2f}% single {100 * row['single_acc']:.2f}% "
-          f"in {row['seconds']:.0f} s",
-          flush=True,
-        )
+    for method, scale, seed in (
+      (m, s, seed) for m in joined for s in scales for seed in range(args.first_seed, args.first_seed + args.seeds)
+    ):
+      if (method, scale, seed) in done:
+        continue
+      row = run_one(args, method, seed, os.path.join(tmp, f"{len(rows)}"), lr_scale=scale)
+      rows.append(row)
+      if args.out:
+        with open(args.out, "a") as f:
+          f.write(json.dumps(row) + "\n")
+      print(
+        f"done {label(row)} seed {seed}: ens_acc {100 * row['ens_acc']:.2f}% single {100 * row['single_acc']:.2f}% "
+        f"in {row['seconds']:.0f} s",
+        flush=True,
+      )
   rows = [r for r in rows if r["method"] in joined]
   print(
     f"\nFashion-MNIST, {model_name(args)}, {args.epochs:g} epochs, global batch {args.batch}, 8 CPU devices, mean "
