@@ -1,8 +1,8 @@
 """Train a particle population with IPF-DDP (the same command as ``ipf-train``; see ``ipf_jax/runtime/cli.py``).
 
-  python train.py --config configs/digits.py --workdir runs/digits
-  python train.py --config configs/digits.py --config.num_particles=1   # plain DDP
-  python train.py --config configs/digits.py --config.mode=ensemble     # deep ensemble
+  python train.py --config configs/digits.py                         # ipf, into runs/digits_ipf
+  python train.py --config configs/digits.py --config.mode=ddp       # plain DDP, into runs/digits_ddp
+  python train.py --config configs/digits.py --config.mode=ensemble  # deep ensemble, into runs/digits_ensemble
 
 Exit codes: 0 finished; 1 error (one line "error: ..."); 2 bad command line;
 69 a peer process did not start or was lost; 75 stopped at

@@ -175,6 +175,52 @@ def test_changed_fields_lists_every_difference_from_the_saved_config():
   assert compatibility.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> absent"]
 
 
+@pytest.mark.parametrize(
+  "flags,named",
+  [
+    (("--config.mode=ensemble",), ["config.mode='ipf'", "config.mode='ensemble'", "--config.mode='ipf'"]),
+    (("--config.weigh_on=common", "--dry_run"), ["config.weigh_on='own'", "config.weigh_on='common'"]),
+    (("--config.mode=ensemble", "--eval_only"), ["config.mode='ipf'"]),
+  ],
+)
+def test_a_resume_that_changes_what_the_run_is_stops_and_touches_nothing(uninterrupted, tmp_path, flags, named):
+  """The trap of comparing modes in one workdir: a finished ipf run resumed with another mode (the state's shapes
+  agree) would be evaluated and reported as that mode's. It stops with the fields named, whatever the command
+  (train, --dry_run, --eval_only), and nothing in the workdir changes."""
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  files = lambda: {p: os.path.getmtime(os.path.join(d, p)) for d, _, ps in os.walk(workdir) for p in ps if p != ".lock"}
+  before = files()  # the lock a training run takes and releases aside
+  r = helpers.run_train_py(workdir, *FLAGS, *flags)
+  assert r.returncode == 1, r.stdout + r.stderr
+  assert "Resuming it would continue that run, not train this one" in r.stderr and "Nothing was changed" in r.stderr
+  for words in named:
+    assert words in r.stderr, r.stderr
+  assert "Traceback" not in r.stderr
+  assert files() == before
+
+
+def test_without_workdir_each_mode_trains_in_its_own_folder(tmp_path):
+  """``train.py`` without ``--workdir`` (as its ``--help`` examples run): the folder is named after the config
+  and the mode, so the deep-ensemble example after the quickstart trains an ensemble instead of resuming ipf."""
+  from ipf_jax.runtime import cli
+
+  config = digits.get_config()
+  assert cli.default_workdir(config, "configs/digits.py") == os.path.join("runs", "digits_ipf")
+  config.mode = "ensemble"
+  assert cli.default_workdir(config, "/x/configs/fashion_mnist.py") == os.path.join("runs", "fashion_mnist_ensemble")
+  argv = helpers.train_py_argv("unused", "--config.num_train_steps=2", "--config.log_every_steps=1")
+  argv = [a for a in argv if a not in ("--workdir", "unused")]
+  argv[1:3] = [os.path.join(helpers.ROOT, "train.py"), "--config"]
+  argv[3] = os.path.join(helpers.ROOT, "configs", "digits.py")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  for mode in ("ipf", "ensemble"):
+    r = subprocess.run([*argv, f"--config.mode={mode}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    saved = json.loads((tmp_path / "runs" / f"digits_{mode}" / "config.json").read_text())
+    assert saved["mode"] == mode
+
+
 def test_a_rerun_with_other_values_says_which_before_it_does_anything(uninterrupted):
   """``--dry_run`` on a finished run with another learning rate and retention: the plan names the field that
   decides what is trained, not the one that says how the run is run."""

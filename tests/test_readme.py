@@ -71,9 +71,9 @@ def run_train_command(tokens, real: bool, small: bool):
   """``real``: train (``REAL_STEPS``); ``small``: a dry run on a workdir trained for real (its smaller CNN)."""
   fv = train_flags(tokens + (REAL_STEPS if real else REAL_STEPS[-1:] if small else []))
   if real:
-    return trainer.train_and_evaluate(fv.config, fv.workdir)
+    return trainer.train_and_evaluate(fv.config, cli.workdir_of(fv))
   try:
-    return trainer.check_run(fv.config, fv.workdir, eval_only=fv.eval_only)
+    return trainer.check_run(fv.config, cli.workdir_of(fv), eval_only=fv.eval_only)
   except DataError as e:
     assert any(PLACEHOLDER in t for t in tokens), f"{' '.join(tokens)}: {e}"
     assert "is not prepared" in str(e) and "tfds build" in str(e), str(e)
@@ -82,7 +82,7 @@ def run_train_command(tokens, real: bool, small: bool):
 
 def _workdir(tokens):
   if tokens[:2] == ["python", "train.py"]:
-    return train_flags(tokens).workdir
+    return cli.workdir_of(train_flags(tokens))
   reads = (
     tokens[:3] == ["python", "-m", "ipf_jax.reporting"] and len(tokens) > 3 or tokens[:2] == ["tensorboard", "--logdir"]
   )

@@ -1,7 +1,10 @@
 """The ``train.py`` / ``ipf-train`` command: flags -> ``trainer.train_and_evaluate``.
 
-  ipf-train --config configs/digits.py --workdir runs/digits      # == python train.py ...
-  ipf-train --workdir runs/digits --config.num_particles=1        # plain DDP (default config: digits)
+  ipf-train --config configs/digits.py                 # == python train.py ...; into runs/digits_ipf
+  ipf-train --config configs/digits.py --config.mode=ddp   # plain DDP, into runs/digits_ddp
+
+Without ``--workdir`` a run's folder is named after its config file and mode (and the outer loop's ``sync``
+when it has one): ``runs/<config>_<mode>``, so runs of different modes never share one.
 
 Exit codes: 0 finished; 1 error (one line "error: ..."); 2 bad command line;
 69 a peer process did not start or was lost; 75 stopped at
@@ -32,7 +35,11 @@ def define_flags(flag_values: flags.FlagValues, argv=None) -> None:
   """The command's flags on ``flag_values`` (``FLAGS``; tests parse README commands on fresh ones)."""
   f = dict(flag_values=flag_values)
   flags.DEFINE_string(
-    "workdir", "runs/digits", "Directory for checkpoints, logs, config and results; an existing one is resumed.", **f
+    "workdir",
+    "",
+    "Directory for checkpoints, logs, config and results; an existing one is resumed. Default: "
+    "runs/<config file's name>_<mode> (e.g. runs/digits_ipf).",
+    **f,
   )
   flags.DEFINE_bool(
     "eval_only",
@@ -123,6 +130,23 @@ def _field(arg: str) -> str:
   return arg[len("--config.") :].split("=")[0].split(".")[0]
 
 
+def default_workdir(config, config_path: str) -> str:
+  """``runs/<config file's stem>_<mode>`` (``_<sync>`` added for the outer loop): a run's default folder, so that
+  two commands that differ in what they train never resume each other's run."""
+  stem = os.path.splitext(os.path.basename(config_path or "config"))[0]
+  sync = config.get("sync", "step")
+  return os.path.join("runs", f"{stem}_{config.mode}" + (f"_{sync}" if sync != "step" else ""))
+
+
+def workdir_of(flag_values: flags.FlagValues = FLAGS) -> str:
+  """``--workdir``, or ``default_workdir`` of the parsed config (its ``runs/`` created in the current folder)."""
+  if flag_values.workdir:
+    return flag_values.workdir
+  path = default_workdir(flag_values.config, config_flags.get_config_filename(flag_values["config"]))
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  return path
+
+
 def default_config_path() -> str:
   """This package's ``configs/digits.py``: the checkout's beside ``ipf_jax/`` (``python train.py``), else
   the copy installed with the package as ``ipf_jax.configs`` (``ipf-train``); never another directory's."""
@@ -168,14 +192,14 @@ def main(argv):
     startup_timeout=FLAGS.startup_timeout,
     peer_timeout=FLAGS.peer_timeout,
   )
-  error = None
+  error, workdir_path = None, workdir_of()
   try:
     if FLAGS.dry_run:
-      print(trainer.check_run(FLAGS.config, FLAGS.workdir, eval_only=FLAGS.eval_only))
+      print(trainer.check_run(FLAGS.config, workdir_path, eval_only=FLAGS.eval_only))
     elif FLAGS.eval_only:
-      trainer.evaluate_checkpoint(FLAGS.config, FLAGS.workdir)
+      trainer.evaluate_checkpoint(FLAGS.config, workdir_path)
     else:
-      trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+      trainer.train_and_evaluate(FLAGS.config, workdir_path)
   except ERRORS as e:
     error = str(e)
     print(f"error: {e}", file=sys.stderr)

@@ -75,6 +75,40 @@ HOW_FIELDS = frozenset(
 DATA_FIELDS = ("dataset", "calibration_fraction")
 
 
+# Fields that decide what a run's results mean (which method trained the population, from what start): a resume
+# that changes one would continue another run under this run's name (a finished ipf run evaluated as the
+# ensemble the command asked for), so it is refused even when the state's shapes agree. A field a checkpoint's
+# config lacks (an older version's) is not compared.
+MEANING_FIELDS = (
+  "mode",
+  "num_particles",
+  "init",
+  "init_from",
+  "init_particle",
+  "init_reinit",
+  "weigh_on",
+  "sync",
+)
+
+
+def check_meaning(saved_config: dict, config: ml_collections.ConfigDict, where: str) -> None:
+  """Raises ``CheckpointError`` naming each of ``MEANING_FIELDS`` whose value differs from the checkpoint's."""
+  saved, current = _flat_config(saved_config), _flat_config(config)
+  fields = [k for k in MEANING_FIELDS if k in saved and k in current]
+  differing = _differences(saved, current, fields)
+  if not differing:
+    return
+  was = ", ".join(f"config.{k}={a}" for k, a, _ in differing)
+  now = ", ".join(f"config.{k}={b}" for k, _, b in differing)
+  flags = " ".join(f"--config.{k}={_flag_value(saved[k])}" for k, _, _ in differing)
+  raise CheckpointError(
+    f"the run in {where} was trained with {was}; this run has {now}. Resuming it would continue that run, "
+    "not train this one, so its results would not be this run's. Use a new --workdir for this run (without "
+    f"--workdir, train.py names one after the config and the mode), or resume that run with {flags}. "
+    "Nothing was changed."
+  )
+
+
 def _differences(saved: dict, current: dict, fields) -> list[tuple[str, str, str]]:
   """``(field, saved value, current value)`` (``repr``, or ``absent`` where a config lacks it) for each of
   ``fields`` whose values differ."""
@@ -154,6 +188,7 @@ def check_compatible(
       "checkpoint's values (its config.json), or use a new --workdir to start a fresh run. Nothing was changed."
     )
   if saved_sig == current_sig:
+    check_meaning(saved_config, config, where)
     return
   differing = sorted(
     (p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),
