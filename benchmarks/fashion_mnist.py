@@ -55,6 +55,13 @@ from ipf_jax.spmd.task import Task  # noqa: E402
 # islands=4, init=independent, jitter_lr=0.3, ess_threshold=0.75. No fused model (independent inits), so its
 # single-model columns are not comparable.
 DIGITS_BEST = dict(mode="ipf", correction=0.0, islands=4, init="independent", jitter_lr=0.3, ess_threshold=0.75)
+OUTER = {
+  "local sgd H=8": dict(sync="every", sync_every=8, temperature=0.0),
+  "qsr": dict(sync="qsr", sync_every=4, temperature=0.0),
+  "qsr + filter (ess_target=0.5)": dict(sync="qsr", sync_every=4, ess_target=0.5),
+  "qsr + outer nesterov 0.7 x 0.9": dict(sync="qsr", sync_every=4, temperature=0.0, outer_lr=0.7, outer_momentum=0.9),
+  "swap (half)": dict(sync="swap", sync_swap_fraction=0.5, temperature=0.0),
+}
 METHODS = {
   "ddp": dict(mode="ddp", num_particles=1),
   "deep ensemble": dict(mode="ensemble", num_particles=8),
@@ -87,6 +94,9 @@ METHODS = {
   "ipf ess_threshold=0.1": dict(mode="ipf", ess_threshold=0.1),
   "ipf jitter_lr=0.3": dict(mode="ipf", jitter_lr=0.3),
   "ipf islands=4 (ess_threshold=0.9)": dict(mode="ipf", islands=4, ess_threshold=0.9),
+  # the outer loop (DESIGN.md §3b): plain local steps, the filter and the weighted average at syncs; the fused
+  # model (the anchor) with its BatchNorm statistics re-estimated on 4 train batches, as SWAP does
+  **{name: dict(mode="ipf", fused_bn_batches=4, **fields) for name, fields in OUTER.items()},
 }
 COLUMNS = [
   ("ens_acc", 100, ".2f"),

@@ -18,13 +18,15 @@ import jax
 import ml_collections
 import optax
 
+from ipf_jax.config import sync as sync_lib
 from ipf_jax.config import validation
 from ipf_jax.population import exchange as exchange_lib
-from ipf_jax.spmd import eval_step, fusion, optim, pretrained
+from ipf_jax.population import outer as outer_lib
+from ipf_jax.spmd import eval_step, fusion, optim, outer_step, pretrained
 from ipf_jax.spmd import mesh as mesh_lib
 from ipf_jax.spmd import state as state_lib
 from ipf_jax.spmd import step as step_lib
-from ipf_jax.spmd.spec import ParticleSpec
+from ipf_jax.spmd.spec import OuterSpec, ParticleSpec
 from ipf_jax.spmd.task import Task, classification
 
 
@@ -46,6 +48,11 @@ class Parts:
   fuse: Callable
   diversity: Callable  # state -> [P] distances to the fused parameters (fuse's second output alone)
   fused_bn_fn: Callable
+  outer: Optional[OuterSpec] = None  # the outer loop's settings (DESIGN.md §3b); None: the per-step filter
+
+  def step_at(self, step: int) -> Callable:
+    """The program that trains step ``step`` (the outer loop has two: local and sync; the host picks)."""
+    return self.train_step.at(step) if self.outer is not None else self.train_step
 
 
 def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
@@ -100,9 +107,18 @@ def build(
   total, warmup = optim.train_steps(config, steps_per_epoch)
   lr_fn = optim.create_learning_rate_fn(config, total, warmup)
   tx = optim.make_optimizer(config, lr_fn, optimizer)
-  abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh)
+  outer = sync_lib.outer_spec(config)
+  abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh, outer)
   if config.init_from:
     init = functools.partial(init, _start(config, task, example))
+  reported = optim.reported_schedule(lr_fn, optimizer, spec)
+  if outer is None:
+    train_step = step_lib.make_train_step(task, tx, spec, mesh, reported, exchange)
+  else:
+    syncs = outer_lib.sync_steps(
+      outer.sync, total, outer.sync_every, lr_fn, warmup, outer.sync_qsr_alpha, outer.sync_swap_fraction
+    )
+    train_step = outer_step.make_outer_train_step(task, tx, spec, outer, mesh, syncs, reported, exchange)
   return Parts(
     config=config,
     task=task,
@@ -113,13 +129,12 @@ def build(
     tx=tx,
     abstract_state=abstract,
     init_state=init,
-    train_step=step_lib.make_train_step(
-      task, tx, spec, mesh, optim.reported_schedule(lr_fn, optimizer, spec), exchange
-    ),
+    train_step=train_step,
     eval_step=eval_step.make_eval_step(task, mesh, spec.particle_loop),
     fuse=fusion.make_fuse_fn(mesh),
     diversity=fusion.make_diversity_fn(mesh),
     fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop),
+    outer=outer,
   )
 
 
@@ -151,4 +166,6 @@ def state_shapes(
   """The shapes and dtypes of the state ``config`` builds for ``task`` (no mesh, nothing compiled)."""
   total, warmup = optim.train_steps(config, steps_per_epoch)
   tx = optim.make_optimizer(config, optim.create_learning_rate_fn(config, total, warmup), optimizer)
-  return state_lib.train_state_shapes(config, validation.particle_spec(config), task, tx, example)
+  return state_lib.train_state_shapes(
+    config, validation.particle_spec(config), task, tx, example, sync_lib.outer_spec(config)
+  )

@@ -165,6 +165,21 @@ def _particles(config: ml_collections.ConfigDict) -> None:
                                        # rounds across devices, never more; each particle's expected copies
                                        # unchanged, but the run depends on the particle mesh;
                                        # BENCHMARKS.md "Placing the copies")
+  config.sync = "step"                 # step: weigh, correct (correction, elastic_pull) and resample every step
+                                       # (DESIGN.md §3, the seed's reading) | every | qsr | swap: the outer loop
+                                       # (§3b): plain local steps, the filter and the weighted average at syncs
+  config.sync_every = 8                # every: sync each H steps; qsr: H_base
+  config.sync_qsr_alpha = 0.2          # qsr: after a sync the next comes max(H_base, floor((alpha / lr)^2)) steps
+                                       # later (Gu et al., ICLR 2024): rarer as the learning rate decays
+  config.sync_swap_fraction = 0.5      # swap: sync every step for this fraction of the run, then never (SWAP)
+  config.sync_pull = 1.0               # gamma in [0, 1]: at a sync theta_i += gamma (anchor - theta_i) (1: local
+                                       # SGD, every particle becomes the anchor; the last step never pulls)
+  config.sync_examples = 32            # at a sync every particle is weighed on these many examples of each
+                                       # particle's part of the batch (at most that part; P x this in all)
+  config.sync_opt_state = "keep"       # keep | reset | average: each particle's optimizer state at a sync
+  config.outer_lr = 1.0                # the anchor's outer SGD on anchor - weighted mean (1 and no momentum: the
+                                       # anchor is the mean; DiLoCo: 0.7 with outer_momentum 0.9)
+  config.outer_momentum = 0.0          # its Nesterov momentum (0 = none)
   config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
                                        # train batches before evaluating and exporting it (0 = weighted average)
 

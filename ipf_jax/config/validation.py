@@ -14,6 +14,7 @@ import jax
 import ml_collections
 
 from ipf_jax import models
+from ipf_jax.config import sync
 from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
 from ipf_jax.population import exchange
 from ipf_jax.population import particle_filter as pf
@@ -130,6 +131,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   """
   _validate_numbers(config)
   validate_algorithm(config)
+  sync.validate_sync(config)
   _validate_model(config)
   _validate_run(config)
   _validate_fsdp(config)

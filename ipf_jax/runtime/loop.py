@@ -9,11 +9,12 @@ from typing import Optional
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from ipf_jax.data.errors import DataError
 from ipf_jax.evaluation import metrics as metrics_lib
 from ipf_jax.runtime import checkpoint as checkpoint_lib
-from ipf_jax.spmd import layout
+from ipf_jax.spmd import layout, outer_step
 from ipf_jax.spmd.mesh import one_program_at_a_time
 
 log = logging.getLogger("ipf_jax")
@@ -71,12 +72,12 @@ class Training:
         batch = next(batches)
         if self.step_hook is not None:
           self.state, batch = self.step_hook(step, self.state, batch)
-        self.state, m = one_program_at_a_time(run.parts.train_step(self.state, batch))
+        self.state, m = one_program_at_a_time(run.parts.step_at(step)(self.state, batch))
         pending.append(m)
         done = step + 1
         log_step = done % config.log_every_steps == 0 or done == run.total
         if log_step:
-          self._log(done, jax.device_get(pending))
+          self._log(done, fetch(pending))
           pending = []
         stop, save_now = self.control.at_step(done, log_step)
         self._save_if_due(done, save_now or stop is not None)
@@ -151,6 +152,17 @@ class Training:
       100 * results["ensemble"]["accuracy"],
       100 * results["fused"]["accuracy"],
     )
+
+
+def fetch(pending: list) -> list:
+  """The steps' metrics on the host: replicated ones as they are, the outer loop's per-particle ones (sharded
+  over "particle", on several processes not all addressable here) gathered; ``ess`` and ``num_alive`` added
+  where a local step could not compute them."""
+  if all(x.is_fully_addressable for x in jax.tree.leaves(pending)):
+    fetched = jax.device_get(pending)
+  else:
+    fetched = multihost_utils.process_allgather(pending, tiled=True)
+  return [outer_step.host_metrics(m) for m in fetched]
 
 
 def until_exhausted(batches, name: str, start: int):

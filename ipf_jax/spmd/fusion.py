@@ -33,9 +33,11 @@ from ipf_jax.spmd.state import ParticleState, shard_map_on_state
 
 
 def fused(state: ParticleState):
-  """``(sum_i w_i theta_i, sum_i w_i beta_i)`` inside ``shard_map`` (per-particle parameters only)."""
+  """``(sum_i w_i theta_i, sum_i w_i beta_i)`` inside ``shard_map`` (per-particle parameters only); the outer
+  loop's fused parameters are its anchor (DESIGN.md §3b)."""
   w = jnp.exp(state.log_weights)
-  return correction.weighted_sum(state.params, w, PARTICLE), correction.weighted_sum(state.batch_stats, w, PARTICLE)
+  params = correction.weighted_sum(state.params, w, PARTICLE) if state.anchor is None else state.anchor
+  return params, correction.weighted_sum(state.batch_stats, w, PARTICLE)
 
 
 def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
@@ -60,7 +62,7 @@ def make_diversity_fn(mesh: jax.sharding.Mesh) -> Callable:
   fused parameters are summed on the way, never returned, so no replicated copy of the model is kept."""
 
   def local(dims, state: ParticleState):
-    return _distances(state, correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE), dims)
+    return _distances(state, fused(state)[0], dims)
 
   return jax.jit(shard_map_on_state(local, mesh, (), lambda _: P()))
 
@@ -88,7 +90,7 @@ def make_fused_bn_fn(task, mesh: jax.sharding.Mesh, particle_loop: str = "vmap")
   """
 
   def local(dims, state: ParticleState, batch):
-    params = correction.weighted_sum(state.params, jnp.exp(state.log_weights), PARTICLE)  # stats are replaced
+    params = fused(state)[0]  # stats are replaced
     params = fsdp.gather(params, dims, invariant=True)
     params = sharing.merge(params, state.shared_params)
     key = stream(state.rng, Stream.FUSED_BN) if task.rngs else None

@@ -13,8 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.population import compression
+from ipf_jax.population import outer as outer_lib
 from ipf_jax.spmd import fsdp, optim, pretrained, sharing
 from ipf_jax.spmd.mesh import DATA, PARTICLE
+from ipf_jax.spmd.spec import OuterSpec
 
 
 @flax.struct.dataclass
@@ -35,6 +37,9 @@ class ParticleState:
     residual: ``[P, N]`` error-feedback residuals of the compressed correction (None without).
     dynamic_scale: float16's loss scale, one for all particles (flax ``DynamicScale``; None otherwise).
     num_overflows: scalar int32, float16 steps skipped because a gradient overflowed (None otherwise).
+    anchor: the outer loop's anchor ``A`` (DESIGN.md §3b), parameters without the particle axis, replicated:
+      the fused model (None with the per-step filter).
+    outer_opt_state: the anchor's outer optimizer state (its momentum; None with the per-step filter).
   """
 
   params: Any
@@ -50,6 +55,8 @@ class ParticleState:
   residual: Any = None
   dynamic_scale: Any = None
   num_overflows: Any = None
+  anchor: Any = None
+  outer_opt_state: Any = None
 
 
 def state_specs(state: Optional[ParticleState] = None) -> ParticleState:
@@ -71,6 +78,8 @@ def state_specs(state: Optional[ParticleState] = None) -> ParticleState:
     shared_opt_state=P(),
     dynamic_scale=P(),
     num_overflows=P(),
+    anchor=P(),
+    outer_opt_state=P(),
   )
   if state is None:
     return specs
@@ -131,6 +140,7 @@ def _init_fn(
   shared_pattern: str = "",
   compress: bool = False,
   dynamic_scale=None,
+  outer_tx: Optional[optax.GradientTransformation] = None,
 ):
   """``init() -> ParticleState`` (unsharded); see ``train_state_init`` for the arguments."""
   init_rng, run_rng = jax.random.split(rng)
@@ -151,7 +161,10 @@ def _init_fn(
     if compress:
       size = compression.residual_size(sum(x[0].size for x in jax.tree.leaves(params)))
       residual = jnp.zeros((num_particles, size), jnp.float32)
+    anchor = None if outer_tx is None else jax.tree.map(lambda x: jnp.mean(x, axis=0), params)
     return ParticleState(
+      anchor=anchor,
+      outer_opt_state=None if outer_tx is None else outer_tx.init(anchor),
       params=params,
       batch_stats=batch_stats,
       opt_state=opt_state,
@@ -182,6 +195,7 @@ def train_state_init(
   compress: bool = False,
   dynamic_scale=None,
   fsdp_min_bytes: Optional[float] = None,
+  outer_tx: Optional[optax.GradientTransformation] = None,
 ):
   """The sharded abstract state (for restoring) and a jitted function that initialises it.
 
@@ -199,33 +213,44 @@ def train_state_init(
     dynamic_scale: the initial loss scale for float16 (``optim.create_dynamic_scale``) or None.
     fsdp_min_bytes: shard each particle's parameters and optimizer state over ``"data"`` (``config.fsdp``),
       the leaves of at least this many bytes per particle; None: every particle whole on each device of its group.
+    outer_tx: the outer loop's anchor optimizer (``population.outer.outer_optimizer``): the state then holds the
+      anchor, started at the particles' mean, and its optimizer state; None: the per-step filter has neither.
   Returns:
     ``(abstract_state, init)``: ``ShapeDtypeStruct`` leaves carrying their
     ``NamedSharding`` on ``mesh``, and ``init(start=None) -> ParticleState``; ``start``
     (``pretrained.for_model``) replaces the loaded leaves of every particle's init.
   """
-  init_all = _init_fn(rng, task, tx, example, num_particles, shared_init, shared_pattern, compress, dynamic_scale)
+  init_all = _init_fn(
+    rng, task, tx, example, num_particles, shared_init, shared_pattern, compress, dynamic_scale, outer_tx
+  )
   shape = jax.eval_shape(init_all)
   shardings = state_shardings(mesh, shape, fsdp_min_bytes)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, shardings)
   return abstract, jax.jit(init_all, out_shardings=shardings)
 
 
-def _from_config(config, spec) -> dict:
-  """The ``train_state_init`` arguments that the config and the particle spec decide."""
+def _from_config(config, spec, outer: Optional[OuterSpec] = None) -> dict:
+  """The ``train_state_init`` arguments that the config, the particle spec and the outer loop's decide."""
   return dict(
     shared_init=spec.shared_init,
     shared_pattern=config.shared_params,
     compress=spec.compress_correction,
     dynamic_scale=optim.create_dynamic_scale(config),
+    outer_tx=None if outer is None else outer_lib.outer_optimizer(outer.outer_lr, outer.outer_momentum),
   )
 
 
 def train_state_init_from_config(
-  config, spec, task, tx: optax.GradientTransformation, example: dict, mesh: jax.sharding.Mesh
+  config,
+  spec,
+  task,
+  tx: optax.GradientTransformation,
+  example: dict,
+  mesh: jax.sharding.Mesh,
+  outer: Optional[OuterSpec] = None,
 ):
   """``train_state_init`` with everything the config and the particle spec decide: seed, init,
-  shared parameters, compression residuals and float16's loss scale."""
+  shared parameters, compression residuals, float16's loss scale and the outer loop's anchor."""
   return train_state_init(
     jax.random.PRNGKey(config.seed),
     task,
@@ -233,13 +258,15 @@ def train_state_init_from_config(
     example,
     spec.num_particles,
     mesh,
-    **_from_config(config, spec),
+    **_from_config(config, spec, outer),
     fsdp_min_bytes=config.fsdp_min_size_mb * 2**20 if config.fsdp else None,
   )
 
 
-def train_state_shapes(config, spec, task, tx: optax.GradientTransformation, example: dict) -> ParticleState:
+def train_state_shapes(
+  config, spec, task, tx: optax.GradientTransformation, example: dict, outer: Optional[OuterSpec] = None
+) -> ParticleState:
   """Shapes and dtypes (``ShapeDtypeStruct`` leaves) of the state ``config`` builds; compiles nothing."""
   return jax.eval_shape(
-    _init_fn(jax.random.PRNGKey(0), task, tx, example, spec.num_particles, **_from_config(config, spec))
+    _init_fn(jax.random.PRNGKey(0), task, tx, example, spec.num_particles, **_from_config(config, spec, outer))
   )

@@ -1,0 +1,72 @@
+"""The outer loop's config (DESIGN.md §3b): ``config.sync`` and its fields, checked and resolved into the step's
+``OuterSpec`` (``None``: the per-step filter)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import ml_collections
+
+from ipf_jax.errors import ConfigError
+from ipf_jax.population.outer import SYNCS
+from ipf_jax.spmd.spec import OuterSpec
+
+SYNC_CHOICES = ("step",) + SYNCS
+SYNC_OPT_STATES = ("keep", "reset", "average")
+
+
+def outer_spec(config: ml_collections.ConfigDict) -> Optional[OuterSpec]:
+  """The outer loop's settings when ``config.sync`` asks for it in ipf mode with several particles, else None."""
+  if config.sync == "step" or config.mode != "ipf" or config.num_particles == 1:
+    return None
+  return OuterSpec(**{f: config[f] for f in OuterSpec.__dataclass_fields__})
+
+
+def _check(cond: bool, field: str, message: str) -> None:
+  if not cond:
+    raise ConfigError(field, message)
+
+
+def validate_sync(config: ml_collections.ConfigDict) -> None:
+  """``sync`` and its fields; the outer loop in ipf mode with several particles, without what needs a
+  collective over the particles every step (shared parameters, float16's one loss scale, the compressed
+  correction) or shards of particles (fsdp)."""
+  _check(config.sync in SYNC_CHOICES, "sync", f"must be one of {SYNC_CHOICES}, got {config.sync!r}")
+  _check(
+    config.sync_opt_state in SYNC_OPT_STATES,
+    "sync_opt_state",
+    f"must be one of {SYNC_OPT_STATES}, got {config.sync_opt_state!r}",
+  )
+  every = config.sync_every
+  _check(isinstance(every, int) and every >= 1, "sync_every", f"must be an integer >= 1, got {every!r}")
+  _check(config.sync_qsr_alpha > 0, "sync_qsr_alpha", f"must be > 0, got {config.sync_qsr_alpha}")
+  _check(
+    0 <= config.sync_swap_fraction <= 1,
+    "sync_swap_fraction",
+    f"must be in [0, 1], got {config.sync_swap_fraction}",
+  )
+  _check(0 <= config.sync_pull <= 1, "sync_pull", f"must be in [0, 1] (1: local SGD), got {config.sync_pull}")
+  examples = config.sync_examples
+  _check(isinstance(examples, int) and examples >= 1, "sync_examples", f"must be an integer >= 1, got {examples!r}")
+  _check(config.outer_lr > 0, "outer_lr", f"must be > 0 (1 with outer_momentum=0: the mean), got {config.outer_lr}")
+  _check(0 <= config.outer_momentum < 1, "outer_momentum", f"must be in [0, 1), got {config.outer_momentum}")
+  if config.sync == "step":
+    return
+  _check(
+    config.mode == "ipf" and config.num_particles > 1,
+    "sync",
+    f"={config.sync!r} is the outer loop of a population in mode='ipf'; this run has mode={config.mode!r} with "
+    f"num_particles={config.num_particles}. Set mode='ipf' and num_particles > 1, or sync='step'",
+  )
+  for field, value, why in (
+    ("shared_params", config.shared_params, "shared parameters take the particles' consensus gradient every step"),
+    ("fsdp", config.fsdp, "the anchor is kept whole, not as shards"),
+    ("compress_correction", config.compress_correction, "the outer loop averages parameters, not gradients"),
+  ):
+    _check(not value, field, f"={value!r} does not work with sync={config.sync!r}: {why}; leave it off or sync='step'")
+  _check(
+    config.dtype != "float16",
+    "dtype",
+    f"='float16' keeps one loss scale for all particles, agreed every step; sync={config.sync!r} has no collective "
+    "between syncs. Use bfloat16 or float32, or sync='step'",
+  )
