@@ -379,3 +379,84 @@ class Reference:
     """The particles as ``[P, ...]`` trees, to compare with the SPMD state."""
     stack = lambda trees: jax.tree.map(lambda *xs: np.stack(xs), *trees)
     return stack(self.params), stack(self.batch_stats), stack(self.opt_state)
+
+
+class OuterReference(Reference):
+  """The outer loop (DESIGN.md §3b) written out with loops: each particle's plain optimizer step on its own
+  batch; at a sync, every particle's loss (before the step, train mode) on the same examples (the first ``k``
+  of every particle's part of each data shard's batch, all shards together: SyncBN), the weights, the weighted
+  mean, the anchor's outer step (``outer_tx`` on ``A - mean``), resampling on low ESS or a culled particle,
+  weights ``w^(1 - gamma)`` renormalised, and the pull ``x + gamma (target - x)`` of parameters (to the anchor)
+  and BatchNorm statistics (to their weighted mean); optimizer states kept."""
+
+  def __init__(self, *args, outer_tx, anchor, outer_opt_state, sync_examples, data_devices, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.outer_tx, self.sync_examples, self.data_devices = outer_tx, sync_examples, data_devices
+    self.anchor = jax.tree.map(np.asarray, anchor)
+    self.outer_opt_state = outer_opt_state
+    model = args[0]
+
+    def score_fn(params, batch_stats, image, label):
+      logits, _ = model.apply(
+        {"params": params, "batch_stats": batch_stats}, image, train=True, mutable=["batch_stats"]
+      )
+      return optax.softmax_cross_entropy_with_integer_labels(logits, label).mean()
+
+    self._score = jax.jit(score_fn)
+
+  def _common(self, images, labels):
+    p, b = len(images), len(images[0]) // self.data_devices
+    k = min(self.sync_examples, b)
+    rows = [(j, d * b + e) for d in range(self.data_devices) for j in range(p) for e in range(k)]
+    return np.stack([images[j][e] for j, e in rows]), np.stack([labels[j][e] for j, e in rows])
+
+  def train_step(self, images, labels, sync=False, gamma=1.0):
+    s, p = self.spec, self.spec.num_particles
+    key = jax.random.fold_in(self.rng, self.step)
+    record = {"loss": [], "alive": [], "resampled": False, "ancestors": list(range(p))}
+    if sync:
+      x, y = self._common(images, labels)
+      scores = [float(self._score(self.params[i], self.batch_stats[i], x, y)) for i in range(p)]
+    for i in range(p):
+      (loss, bs), g = self._accumulated_grad(self.params[i], self.batch_stats[i], images[i], labels[i])
+      ok = bool(np.isfinite(loss)) and _finite(g)
+      record["loss"].append(float(loss))
+      record["alive"].append(ok)
+      if ok:
+        updates, self.opt_state[i] = self._update(g, self.opt_state[i], self.params[i])
+        self.params[i] = optax.apply_updates(self.params[i], updates)
+        self.batch_stats[i] = bs
+      else:
+        self.log_w[i] = -np.inf
+    self.step += 1
+    if not sync:
+      return record
+    alive = [record["alive"][i] and np.isfinite(scores[i]) and np.isfinite(self.log_w[i]) for i in range(p)]
+    log_w = np.array(
+      [s.forgetting * self.log_w[i] - s.temperature * scores[i] if alive[i] else -np.inf for i in range(p)]
+    )
+    log_w = island_normalize(log_w, s.islands)
+    w = np.exp(log_w)
+    mean = lambda trees: jax.tree.map(
+      lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0), *trees
+    )
+    theta_bar, beta_bar = mean(self.params), mean(self.batch_stats)
+    delta = jax.tree.map(lambda a, m: (a - m).astype(np.float32), self.anchor, theta_bar)
+    updates, self.outer_opt_state = self.outer_tx.update(delta, self.outer_opt_state, self.anchor)
+    self.anchor = jax.tree.map(np.asarray, optax.apply_updates(self.anchor, updates))
+    ess = island_ess(w, s.islands)
+    record.update(ess=ess, score=scores)
+    if ess < s.ess_threshold * p or not all(alive):
+      u = float(jax.random.uniform(jax.random.fold_in(key, 0)))
+      src = island_sources(w, u, s.islands)
+      self.params = [self.params[a] for a in src]
+      self.batch_stats = [self.batch_stats[a] for a in src]
+      self.opt_state = [self.opt_state[a] for a in src]
+      log_w = np.full(p, -np.log(p))
+      self.num_resamples += 1
+      record.update(resampled=True, ancestors=src)
+    self.log_w = island_normalize((1.0 - gamma) * log_w, s.islands)
+    pull = lambda x, t: (np.asarray(x, np.float64) + gamma * (np.asarray(t, np.float64) - x)).astype(np.float32)
+    self.params = [jax.tree.map(pull, prm, self.anchor) for prm in self.params]
+    self.batch_stats = [jax.tree.map(pull, bs, beta_bar) for bs in self.batch_stats]
+    return record

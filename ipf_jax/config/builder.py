@@ -111,14 +111,7 @@ def build(
   abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh, outer)
   if config.init_from:
     init = functools.partial(init, _start(config, task, example))
-  reported = optim.reported_schedule(lr_fn, optimizer, spec)
-  if outer is None:
-    train_step = step_lib.make_train_step(task, tx, spec, mesh, reported, exchange)
-  else:
-    syncs = outer_lib.sync_steps(
-      outer.sync, total, outer.sync_every, lr_fn, warmup, outer.sync_qsr_alpha, outer.sync_swap_fraction
-    )
-    train_step = outer_step.make_outer_train_step(task, tx, spec, outer, mesh, syncs, reported, exchange)
+  train_step = _train_step(task, tx, spec, outer, mesh, (total, warmup, lr_fn), optimizer, exchange)
   return Parts(
     config=config,
     task=task,
@@ -136,6 +129,19 @@ def build(
     fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop),
     outer=outer,
   )
+
+
+def _train_step(task, tx, spec, outer, mesh, schedule, optimizer, exchange) -> Callable:
+  """The per-step filter's jitted step, or the outer loop's (``outer``: its syncs from the run's ``schedule``,
+  ``(total, warmup, lr_fn)``)."""
+  total, warmup, lr_fn = schedule
+  reported = optim.reported_schedule(lr_fn, optimizer, spec)
+  if outer is None:
+    return step_lib.make_train_step(task, tx, spec, mesh, reported, exchange)
+  syncs = outer_lib.sync_steps(
+    outer.sync, total, outer.sync_every, lr_fn, warmup, outer.sync_qsr_alpha, outer.sync_swap_fraction
+  )
+  return outer_step.make_outer_train_step(task, tx, spec, outer, mesh, syncs, reported, exchange)
 
 
 def _check_init(config: ml_collections.ConfigDict, task: Task, spec: ParticleSpec) -> None:

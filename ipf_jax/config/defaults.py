@@ -14,7 +14,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   """Every field with its default, locked: a misspelt override is an error naming the closest field."""
   config = ml_collections.ConfigDict()
-  for section in (_run, _data, _model, _optimiser, _particles, _devices):
+  for section in (_run, _data, _model, _optimiser, _particles, _outer, _devices):
     section(config)
   config.lock()
   return config
@@ -165,6 +165,15 @@ def _particles(config: ml_collections.ConfigDict) -> None:
                                        # rounds across devices, never more; each particle's expected copies
                                        # unchanged, but the run depends on the particle mesh;
                                        # BENCHMARKS.md "Placing the copies")
+
+  config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
+                                       # train batches before evaluating and exporting it (0 = weighted average)
+
+  config.particle_loop = "auto"        # vmap | map | unroll | auto (measured best: unroll on GPUs, else vmap)
+
+
+def _outer(config: ml_collections.ConfigDict) -> None:
+  """The outer loop (docs/DESIGN.md §3b): local steps between syncs, the filter and the average at syncs."""
   config.sync = "step"                 # step: weigh, correct (correction, elastic_pull) and resample every step
                                        # (DESIGN.md §3, the seed's reading) | every | qsr | swap: the outer loop
                                        # (§3b): plain local steps, the filter and the weighted average at syncs
@@ -180,10 +189,6 @@ def _particles(config: ml_collections.ConfigDict) -> None:
   config.outer_lr = 1.0                # the anchor's outer SGD on anchor - weighted mean (1 and no momentum: the
                                        # anchor is the mean; DiLoCo: 0.7 with outer_momentum 0.9)
   config.outer_momentum = 0.0          # its Nesterov momentum (0 = none)
-  config.fused_bn_batches = 0          # > 0: re-estimate the fused model's BatchNorm statistics on this many
-                                       # train batches before evaluating and exporting it (0 = weighted average)
-
-  config.particle_loop = "auto"        # vmap | map | unroll | auto (measured best: unroll on GPUs, else vmap)
 
 
 def _devices(config: ml_collections.ConfigDict) -> None:

@@ -188,8 +188,7 @@ def check_compatible(
       "checkpoint's values (its config.json), or use a new --workdir to start a fresh run. Nothing was changed."
     )
   if saved_sig == current_sig:
-    check_meaning(saved_config, config, where)
-    return
+    return check_meaning(saved_config, config, where)
   differing = sorted(
     (p for p in set(saved_sig) | set(current_sig) if saved_sig.get(p) != current_sig.get(p)),
     key=lambda p: (not p.startswith("params/"), p),
