@@ -17,6 +17,9 @@ table and ``SUMMARY {json}``.
    vmap, lax.map and an unrolled loop.
 4. peak memory (memory_analysis) of the ipf step / the ensemble step.
 5. input pipeline images/s / train step images/s (digits).
+6. the TFDS pipeline / the resnet_tiny step.
+7. the outer loop (``config.sync``): its local step / an ensemble step, its sync step / an ensemble step, and
+   the run amortised over a schedule's syncs (QSR on the digits run; ``--only outer``: this section alone).
 """
 
 from __future__ import annotations
@@ -89,6 +92,44 @@ def digits_resample_rate(args):
   return resampled / c.num_train_steps
 
 
+def outer_loop_costs(args, summary: dict) -> None:
+  """Section 7: the outer loop's two programs against the ensemble's step, amortised over its schedule."""
+  p = jax.device_count()
+  ensemble = Timed(config_for(args, mode="ensemble", num_particles=p), args)
+  qsr = Timed(config_for(args, mode="ipf", num_particles=p, sync="qsr", sync_every=4, ess_target=0.5), args)
+  program = qsr.bench.train_step
+
+  def local():
+    qsr.state, m = program.local(qsr.state, qsr.batch)
+    return m["loss"]
+
+  def sync():
+    qsr.state, m = program.sync(qsr.state, qsr.batch, program.pull)
+    return m["loss"]
+
+  t = measure({"ensemble": ensemble, "local": local, "sync": sync}, args.repeats, args.rounds)
+  rate = float(np.mean(program.syncs))
+  amortised = (1 - rate) * t["local"] + rate * t["sync"]
+  rows = [
+    {"variant": "outer loop, local step", "step_ms": 1e3 * t["local"], "vs ensemble": t["local"] / t["ensemble"]},
+    {"variant": "outer loop, sync step", "step_ms": 1e3 * t["sync"], "vs ensemble": t["sync"] / t["ensemble"]},
+    {
+      "variant": f"outer loop amortised (qsr, {int(program.syncs.sum())} syncs in {len(program.syncs)} steps)",
+      "step_ms": 1e3 * amortised,
+      "vs ensemble": amortised / t["ensemble"],
+    },
+  ]
+  print(f"\n7. The outer loop ({p} particles on {jax.device_count()} devices, {args.model}; ensemble step "
+        f"{1e3 * t['ensemble']:.3f} ms)")  # fmt: skip
+  print_table(rows, ["variant", "step_ms", "vs ensemble"])
+  summary.update(
+    outer_local_over_ensemble=t["local"] / t["ensemble"],
+    outer_sync_over_ensemble=t["sync"] / t["ensemble"],
+    outer_sync_rate=rate,
+    outer_amortised_over_ensemble=amortised / t["ensemble"],
+  )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="cnn")
@@ -96,9 +137,13 @@ def main():
   parser.add_argument("--per_particle_batch", type=int, default=16)
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--only", choices=("outer",), help="run one section alone")
   args = parser.parse_args()
   d = jax.device_count()
   summary = {"benchmark": "overhead", "devices": d, "backend": jax.default_backend(), "model": args.model}
+  if args.only == "outer":
+    outer_loop_costs(args, summary)
+    return print_summary(summary)
 
   # 1. IPF vs ensemble; 4. memory of the same compiled steps.
   p = d
@@ -229,6 +274,7 @@ def main():
     tiny_train_images_per_s=g / tiny_time,
     tfds_input_over_train=tfds_rate * tiny_time / g,
   )
+  outer_loop_costs(args, summary)
   print_summary(summary)
 
 
