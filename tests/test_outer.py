@@ -198,3 +198,17 @@ def test_outer_loop_config_errors_name_the_field(overrides, field):
   with pytest.raises(validation.ConfigError) as e:
     validation.validate(config, 8)
   assert e.value.field == field
+
+
+def test_the_final_table_says_when_a_population_has_collapsed():
+  """``tables.collapse_line``: members that disagree on fewer examples than a tenth of the ensemble's errors are
+  called copies (the line names both numbers and the setting that keeps them apart); more, no line."""
+  from ipf_jax.reporting import tables
+
+  collapsed = {"diversity": {"disagreement": 0.004, "pairwise_kl": 0.001}, "ensemble": {"accuracy": 0.91}}
+  line = tables.collapse_line(collapsed)
+  assert "collapsed into copies" in line and "0.40%" in line and "9.00%" in line and "sync='qsr'" in line
+  assert tables.collapse_line({**collapsed, "diversity": {"disagreement": 0.02}}) == ""
+  assert tables.collapse_line({"ensemble": {"accuracy": 0.9}}) == ""  # no diversity measured: nothing said
+  digits = {"diversity": {"disagreement": 0.0067}, "ensemble": {"accuracy": 0.9956}}  # the quickstart's table
+  assert tables.collapse_line(digits) == ""
