@@ -387,13 +387,19 @@ class OuterReference(Reference):
   of every particle's part of each data shard's batch, all shards together: SyncBN), the weights, the weighted
   mean, the anchor's outer step (``outer_tx`` on ``A - mean``), resampling on low ESS or a culled particle,
   weights ``w^(1 - gamma)`` renormalised, and the pull ``x + gamma (target - x)`` of parameters (to the anchor)
-  and BatchNorm statistics (to their weighted mean); optimizer states kept."""
+  and BatchNorm statistics (to their weighted mean). The anchor starts at the particles' mean and takes SGD
+  steps with Nesterov momentum written out: ``m <- delta + mu m``, ``A <- A - lr (delta + mu m)``. Optimizer
+  states: ``keep``; ``reset``, their float leaves as ``tx.init`` of the pulled parameters, counts kept;
+  ``average``, their float leaves pulled to the weighted mean. The last sync (``gamma = 0``) resamples only
+  to replace a dead particle."""
 
-  def __init__(self, *args, outer_tx, anchor, outer_opt_state, sync_examples, data_devices, **kwargs):
+  def __init__(self, *args, outer_lr, outer_momentum, opt_policy, sync_examples, data_devices, **kwargs):
     super().__init__(*args, **kwargs)
-    self.outer_tx, self.sync_examples, self.data_devices = outer_tx, sync_examples, data_devices
-    self.anchor = jax.tree.map(np.asarray, anchor)
-    self.outer_opt_state = outer_opt_state
+    self.sync_examples, self.data_devices = sync_examples, data_devices
+    self.outer_lr, self.outer_momentum, self.opt_policy = outer_lr, outer_momentum, opt_policy
+    p = self.spec.num_particles
+    self.anchor = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs) / p, *self.params)
+    self.momentum = jax.tree.map(np.zeros_like, self.anchor)
     model = args[0]
 
     def score_fn(params, batch_stats, image, label):
@@ -441,12 +447,15 @@ class OuterReference(Reference):
       lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0), *trees
     )
     theta_bar, beta_bar = mean(self.params), mean(self.batch_stats)
-    delta = jax.tree.map(lambda a, m: (a - m).astype(np.float32), self.anchor, theta_bar)
-    updates, self.outer_opt_state = self.outer_tx.update(delta, self.outer_opt_state, self.anchor)
-    self.anchor = jax.tree.map(np.asarray, optax.apply_updates(self.anchor, updates))
+    delta = jax.tree.map(lambda a, m: a - m, self.anchor, theta_bar)
+    mu = self.outer_momentum
+    self.momentum = jax.tree.map(lambda d, m: d + mu * m, delta, self.momentum)
+    self.anchor = jax.tree.map(lambda a, d, m: a - self.outer_lr * (d + mu * m), self.anchor, delta, self.momentum)
+    floats = lambda x: np.issubdtype(np.asarray(x).dtype, np.floating)
+    opt_bar = mean([jax.tree.map(lambda x: np.asarray(x, np.float64) if floats(x) else 0.0, o) for o in self.opt_state])
     ess = island_ess(w, s.islands)
     record.update(ess=ess, score=scores)
-    if ess < s.ess_threshold * p or not all(alive):
+    if (ess < s.ess_threshold * p and gamma > 0) or not all(alive):
       u = float(jax.random.uniform(jax.random.fold_in(key, 0)))
       src = island_sources(w, u, s.islands)
       self.params = [self.params[a] for a in src]
@@ -459,4 +468,10 @@ class OuterReference(Reference):
     pull = lambda x, t: (np.asarray(x, np.float64) + gamma * (np.asarray(t, np.float64) - x)).astype(np.float32)
     self.params = [jax.tree.map(pull, prm, self.anchor) for prm in self.params]
     self.batch_stats = [jax.tree.map(pull, bs, beta_bar) for bs in self.batch_stats]
+    for i in range(p):
+      if self.opt_policy == "reset" and gamma > 0:
+        fresh = self.tx.init(self.params[i])
+        self.opt_state[i] = jax.tree.map(lambda n, o: np.asarray(n) if floats(o) else o, fresh, self.opt_state[i])
+      elif self.opt_policy == "average":
+        self.opt_state[i] = jax.tree.map(lambda o, m: pull(o, m) if floats(o) else o, self.opt_state[i], opt_bar)
     return record

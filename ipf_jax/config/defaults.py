@@ -142,7 +142,8 @@ def _particles(config: ml_collections.ConfigDict) -> None:
   config.common_examples = 2           # weigh_on=common: examples taken from each particle's part of the batch
   config.ess_target = 0.0              # > 0: each step, tau_t = the largest tau <= temperature whose reweighting
                                        # keeps ESS >= ess_target * P (bisection, as adaptive tempered SMC; 0 = off)
-  config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient
+  config.correction = 0.5              # lambda in [0, 1]: pull towards the weighted consensus gradient (sync=step;
+                                       # the outer loop averages parameters at syncs instead)
   config.elastic_pull = 0.0            # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
                                        # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
   config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P (islands: any island's ESS

@@ -59,6 +59,8 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
     f"num_particles={config.num_particles}. Set mode='ipf' and num_particles > 1, or sync='step'",
   )
   for field, value, why in (
+    ("elastic_pull", config.elastic_pull, "the outer loop pulls at syncs by sync_pull"),
+    ("resample_every", config.resample_every, "the outer loop resamples at syncs, on low ESS"),
     ("shared_params", config.shared_params, "shared parameters take the particles' consensus gradient every step"),
     ("fsdp", config.fsdp, "the anchor is kept whole, not as shards"),
     ("compress_correction", config.compress_correction, "the outer loop averages parameters, not gradients"),

@@ -78,3 +78,39 @@ def pull(tree, target, gamma):
     return x + jnp.asarray(gamma, x.dtype) * (t[None].astype(x.dtype) - x)
 
   return jax.tree.map(one, tree, target)
+
+
+def inexact(tree):
+  """``tree`` with its non-float leaves (counts) as ``None``: what averaging and resetting touch."""
+  return jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, tree)
+
+
+def keep_opt_state(opt_state, **_):
+  """``sync_opt_state="keep"``: each particle's optimizer state as its local steps left it (post-local SGD,
+  DiLoCo)."""
+  return opt_state
+
+
+def reset_opt_state(opt_state, *, init, params, gamma, **_):
+  """``sync_opt_state="reset"``: the float leaves (momenta) as ``init(params)`` makes them for the pulled
+  ``params``, where ``gamma > 0``; counts (a schedule's step) go on, so the learning rate does not restart."""
+  fresh = init(params)
+  return jax.tree.map(
+    lambda new, old: jnp.where(gamma > 0, new, old) if jnp.issubdtype(old.dtype, jnp.inexact) else old,
+    fresh,
+    opt_state,
+  )
+
+
+def average_opt_state(opt_state, *, mean, gamma, **_):
+  """``sync_opt_state="average"``: the float leaves pulled ``gamma`` of the way to their weighted mean ``mean``
+  (``inexact``: counts are not averaged)."""
+  return jax.tree.map(
+    lambda m, x: x if m is None else x + jnp.asarray(gamma, x.dtype) * (m[None].astype(x.dtype) - x),
+    mean,
+    opt_state,
+    is_leaf=lambda m: m is None,
+  )
+
+
+OPT_STATE_POLICIES = {"keep": keep_opt_state, "reset": reset_opt_state, "average": average_opt_state}

@@ -104,7 +104,8 @@ def check_meaning(saved_config: dict, config: ml_collections.ConfigDict, where: 
   raise CheckpointError(
     f"the run in {where} was trained with {was}; this run has {now}. Resuming it would continue that run, "
     "not train this one, so its results would not be this run's. Use a new --workdir for this run (without "
-    f"--workdir, train.py names one after the config and the mode), or resume that run with {flags}. "
+    "--workdir, train.py names one after the config, the mode and sync, so another mode or sync trains beside "
+    f"it), or resume that run with {flags}. "
     "Nothing was changed."
   )
 

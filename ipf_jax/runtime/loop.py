@@ -158,11 +158,8 @@ def fetch(pending: list) -> list:
   """The steps' metrics on the host: replicated ones as they are, the outer loop's per-particle ones (sharded
   over "particle", on several processes not all addressable here) gathered; ``ess`` and ``num_alive`` added
   where a local step could not compute them."""
-  if all(x.is_fully_addressable for x in jax.tree.leaves(pending)):
-    fetched = jax.device_get(pending)
-  else:
-    fetched = multihost_utils.process_allgather(pending, tiled=True)
-  return [outer_step.host_metrics(m) for m in fetched]
+  gather = lambda x: x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+  return [outer_step.host_metrics(m) for m in jax.device_get(jax.tree.map(gather, pending))]
 
 
 def until_exhausted(batches, name: str, start: int):

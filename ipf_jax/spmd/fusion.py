@@ -36,6 +36,8 @@ def fused(state: ParticleState):
   """``(sum_i w_i theta_i, sum_i w_i beta_i)`` inside ``shard_map`` (per-particle parameters only); the outer
   loop's fused parameters are its anchor (DESIGN.md §3b)."""
   w = jnp.exp(state.log_weights)
+  if state.anchor is not None:  # weights may lack a particle culled since the last sync: renormalised
+    w = w / lax.psum(jnp.sum(w), PARTICLE)
   params = correction.weighted_sum(state.params, w, PARTICLE) if state.anchor is None else state.anchor
   return params, correction.weighted_sum(state.batch_stats, w, PARTICLE)
 

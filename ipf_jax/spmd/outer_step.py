@@ -113,27 +113,27 @@ def synchronise(c: OuterParts, state: ParticleState, all_log_w, key, gamma, dims
   w = jnp.exp(log_w)
   mean = correction.weighted_sum(state.params, w, PARTICLE)
   stats = correction.weighted_sum(state.batch_stats, w, PARTICLE)
-  opt_mean = correction.weighted_sum(state.opt_state, w, PARTICLE) if c.outer.sync_opt_state == "average" else None
+  averaged = c.outer.sync_opt_state == "average"
+  opt_mean = correction.weighted_sum(outer_lib.inexact(state.opt_state), w, PARTICLE) if averaged else None
   anchor, outer_state = outer_lib.update_anchor(c.outer_tx, state.anchor, state.outer_opt_state, mean)
   num_alive = jnp.sum(jnp.isfinite(all_log_w))
   decide = pf.ess(all_log_w, spec.islands) < spec.ess_threshold * spec.num_particles
-  decide = (decide | (num_alive < spec.num_particles)) & (num_alive > 0)
+  # The last sync (gamma = 0) replaces only the dead: the ensemble is what the last local phase made.
+  decide = ((decide & (gamma > 0)) | (num_alive < spec.num_particles)) & (num_alive > 0)
   sigma = step_lib.jitter_sigma(spec, c.lr_fn, state.step - 1)
   state = state.replace(log_weights=log_w)
   state, src = step_lib.resample_phase(spec, c.dp, state, key, all_log_w, decide, sigma, c.exchange, dims)
-  opt_state = state.opt_state
-  if c.outer.sync_opt_state == "reset":
-    fresh = jax.vmap(c.tx.init)(state.params)
-    opt_state = jax.tree.map(lambda new, old: jnp.where(gamma > 0, new, old), fresh, opt_state)
-  elif c.outer.sync_opt_state == "average":
-    opt_state = outer_lib.pull(opt_state, opt_mean, gamma)
+  params = outer_lib.pull(state.params, anchor, gamma)
+  opt_state = outer_lib.OPT_STATE_POLICIES[c.outer.sync_opt_state](
+    state.opt_state, init=jax.vmap(c.tx.init), params=params, mean=opt_mean, gamma=gamma
+  )
   # The weights describe the particles before the pull: a particle moved the fraction gamma to the anchor keeps
   # w^(1 - gamma) of its weight (gamma = 1: every particle is the anchor, and the weights are uniform).
   after = jnp.where(decide, -jnp.log(spec.num_particles), all_log_w)
   kept = pf.normalize(jnp.where(jnp.isfinite(after), (1.0 - gamma) * after, -jnp.inf), spec.islands)
   synced = state.replace(
     log_weights=step_lib.local_slice(kept, num_local),
-    params=outer_lib.pull(state.params, anchor, gamma),
+    params=params,
     batch_stats=outer_lib.pull(state.batch_stats, stats, gamma),
     opt_state=opt_state,
     anchor=anchor,
@@ -144,8 +144,8 @@ def synchronise(c: OuterParts, state: ParticleState, all_log_w, key, gamma, dims
 
 
 def sync_step(c: OuterParts, state: ParticleState, batch, gamma, dims=None):
-  """A local step followed by a sync: ``(state, metrics)``. A population with no particle alive is left as it
-  was and counted as a skipped step (the loop stops on it)."""
+  """A local step followed by a sync: ``(state, metrics)``. When no particle is alive the sync is not applied
+  (the local step's state is kept) and the step counts as skipped (the loop stops on it)."""
   key = jax.random.fold_in(state.rng, state.step)
   spec = dataclasses.replace(c.spec, common_examples=min(c.outer.sync_examples, batch_size(batch)))
   keys = particle_keys(stream(key, Stream.MODEL), state.log_weights.shape[0]) if c.task.rngs else None
@@ -257,11 +257,12 @@ def make_outer_train_step(
 
 
 def host_metrics(m: dict) -> dict:
-  """A fetched step's metrics with what a local step could not compute without a collective: ``ess`` and
-  ``num_alive`` from its ``[P]`` log-weights."""
+  """A fetched step's metrics with what a local step could not compute without a collective: ``ess`` (of the
+  whole population, islands or not) and ``num_alive`` (finite weights) from its ``[P]`` log-weights."""
   if "ess" in m:
     return m
   log_w = np.asarray(m["log_weights"], np.float64)
-  w = np.exp(log_w - np.max(log_w)) if np.isfinite(log_w).any() else np.zeros_like(log_w)
-  w = w / w.sum() if w.sum() > 0 else w
-  return {**m, "ess": float(1.0 / np.sum(w**2)) if w.sum() > 0 else 0.0, "num_alive": int(np.sum(m["alive"] > 0))}
+  alive = np.isfinite(log_w)
+  w = np.exp(log_w - np.max(log_w[alive])) * alive if alive.any() else np.zeros_like(log_w)
+  ess = float(w.sum() ** 2 / np.sum(w**2)) if alive.any() else 0.0
+  return {**m, "ess": ess, "num_alive": int(alive.sum())}
