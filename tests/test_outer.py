@@ -24,16 +24,16 @@ def test_sync_schedules_against_their_rules_written_out():
   assert list(np.flatnonzero(every)) == [2, 5, 8, 9]  # every third step, and the last
   swap = outer.sync_steps("swap", 10, 1, lr, 0, 0.0, 0.3)
   assert list(np.flatnonzero(swap)) == [0, 1, 2, 9]
-  # QSR: H_base = 2 through the warmup (5 steps), then max(2, floor((0.2 / lr(k))^2)) after the sync at k.
+  # QSR: H_base = 2 through the warmup (5 steps), then max(2, floor((0.5 lr(5) / lr(k))^2)) after the sync at k.
   expected, k = [], 0
   while k < 100:
-    h = 2 if k < 5 else max(2, int(np.floor((0.2 / lr(k)) ** 2))) if lr(k) > 0 else 10**9
+    h = 2 if k < 5 else max(2, int(np.floor((0.5 * lr(5) / lr(k)) ** 2))) if lr(k) > 0 else 10**9
     k += h
     if k <= 100:
       expected.append(k - 1)
-  qsr = outer.sync_steps("qsr", 100, 2, lr, 5, 0.2, 0.0)
+  qsr = outer.sync_steps("qsr", 100, 2, lr, 5, 0.5, 0.0)
   assert list(np.flatnonzero(qsr)) == sorted(set(expected) | {99})
-  gaps = np.diff(np.flatnonzero(qsr)[:-1])
+  gaps = np.diff(np.flatnonzero(qsr))
   assert gaps[0] == 2 and gaps[-1] > 8, "syncs grow rarer as the learning rate decays"
 
 

@@ -138,8 +138,14 @@ def _train_step(task, tx, spec, outer, mesh, schedule, optimizer, exchange) -> C
   reported = optim.reported_schedule(lr_fn, optimizer, spec)
   if outer is None:
     return step_lib.make_train_step(task, tx, spec, mesh, reported, exchange)
+  cpu = jax.devices("cpu")[0]  # the schedule's numbers from one backend on every host and resume
+
+  def lr_on_cpu(k: int) -> float:
+    with jax.default_device(cpu):
+      return float(lr_fn(k))
+
   syncs = outer_lib.sync_steps(
-    outer.sync, total, outer.sync_every, lr_fn, warmup, outer.sync_qsr_alpha, outer.sync_swap_fraction
+    outer.sync, total, outer.sync_every, lr_on_cpu, warmup, outer.sync_qsr_alpha, outer.sync_swap_fraction
   )
   return outer_step.make_outer_train_step(task, tx, spec, outer, mesh, syncs, reported, exchange)
 

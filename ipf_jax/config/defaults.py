@@ -179,8 +179,9 @@ def _outer(config: ml_collections.ConfigDict) -> None:
                                        # (DESIGN.md §3, the seed's reading) | every | qsr | swap: the outer loop
                                        # (§3b): plain local steps, the filter and the weighted average at syncs
   config.sync_every = 8                # every: sync each H steps; qsr: H_base
-  config.sync_qsr_alpha = 0.2          # qsr: after a sync the next comes max(H_base, floor((alpha / lr)^2)) steps
-                                       # later (Gu et al., ICLR 2024): rarer as the learning rate decays
+  config.sync_qsr_alpha = 0.25         # qsr: after a sync the next comes max(H_base, floor((alpha peak_lr / lr)^2))
+                                       # steps later (Gu et al., ICLR 2024): rarer as the learning rate decays
+                                       # (relative to the peak: the same value for SGD's rates and AdamW's)
   config.sync_swap_fraction = 0.5      # swap: sync every step for this fraction of the run, then never (SWAP)
   config.sync_pull = 1.0               # gamma in [0, 1]: at a sync theta_i += gamma (anchor - theta_i) (1: local
                                        # SGD, every particle becomes the anchor; the last step never pulls)

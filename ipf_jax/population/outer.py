@@ -1,9 +1,11 @@
 """The outer loop's math (DESIGN.md §3b): when to synchronise, the anchor's outer optimizer, the pull.
 
   syncs:   every H steps (``every``); the Quadratic Synchronization Rule (``qsr``, Gu et al., ICLR 2024):
-           after a sync at step t the next comes H_t = max(H_base, floor((alpha / eta_t)^2)) steps later, eta_t
-           the learning rate, so syncs grow rarer as it decays; SWAP (``swap``, Gupta et al., ICLR 2020): a sync
-           after every step (data-parallel) until a fraction of the run, then none. The last step always syncs.
+           after a sync at step t the next comes H_t = max(H_base, floor((alpha eta_peak / eta_t)^2)) steps later,
+           eta_t the learning rate and eta_peak its peak (alpha relative to the peak, so that one value works for
+           SGD's rates and AdamW's; the paper's absolute alpha is alpha eta_peak), rarer as it decays;
+           SWAP (``swap``, Gupta et al., ICLR 2020): a sync after every step (data-parallel) until a fraction of
+           the run, then none. The last step always syncs.
   anchor:  delta = A - theta_bar;  A, m <- outer_opt(delta, m, A)    (outer_lr = 1, no momentum: A = theta_bar;
            DiLoCo: outer_lr 0.7, Nesterov momentum 0.9)
   pull:    theta_i <- theta_i + gamma (A - theta_i)                  (gamma = 1: local SGD, every particle = A)
@@ -25,7 +27,8 @@ SYNCS = ("every", "qsr", "swap")  # config.sync's outer-loop values ("step" is t
 
 
 def qsr_period(lr: float, base: int, alpha: float) -> int:
-  """``H = max(H_base, floor((alpha / lr)^2))``; ``lr <= 0`` (the end of a cosine): no further sync (a huge H)."""
+  """``H = max(H_base, floor((alpha / lr)^2))`` (``lr`` relative to the peak); ``lr <= 0`` (the end of a cosine):
+  no further sync (a huge H)."""
   if lr <= 0:
     return np.iinfo(np.int32).max
   return max(base, int(math.floor((alpha / lr) ** 2)))
@@ -36,14 +39,14 @@ def sync_steps(
 ) -> np.ndarray:
   """``[total]`` bool: whether step ``k`` (0-based) ends with a sync, a pure function of the run's numbers (a
   resumed run syncs where the uninterrupted one did). ``qsr`` keeps ``H_base`` during the warmup, where the
-  learning rate starts from 0."""
+  learning rate starts from 0, and reads the rate relative to its value at the warmup's end (the peak)."""
   syncs = np.zeros(total, bool)
   if kind == "every":
     syncs[every - 1 :: every] = True
   elif kind == "qsr":
-    k = 0
+    k, peak = 0, float(lr_fn(min(warmup, max(total - 1, 0))))
     while k < total:
-      k += every if k < warmup else qsr_period(float(lr_fn(k)), every, alpha)
+      k += every if k < warmup or peak <= 0 else qsr_period(float(lr_fn(k)) / peak, every, alpha)
       if k <= total:
         syncs[k - 1] = True
   elif kind == "swap":

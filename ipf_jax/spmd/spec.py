@@ -43,7 +43,7 @@ class OuterSpec:
 
   sync: str  # every | qsr | swap (population.outer.sync_steps)
   sync_every: int = 8  # every: H; qsr: H_base
-  sync_qsr_alpha: float = 0.2  # qsr: alpha of H = max(H_base, floor((alpha / lr)^2))
+  sync_qsr_alpha: float = 0.25  # qsr: alpha of H = max(H_base, floor((alpha peak_lr / lr)^2))
   sync_swap_fraction: float = 0.5  # swap: the fraction of the run synchronised every step
   sync_pull: float = 1.0  # gamma: theta_i <- theta_i + gamma (A - theta_i)
   sync_examples: int = 32  # examples of each particle's part of the batch that every particle is weighed on
