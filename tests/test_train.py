@@ -139,3 +139,31 @@ def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path, monkeypatch):
     with pytest.raises(workdir_lib.WorkdirError, match="paths are not supported"):
       trainer.train_and_evaluate(config, url)
   assert sorted(os.listdir(tmp_path)) == [".lock"]
+
+
+def test_first_contact_help_a_missing_config_and_a_file_as_workdir(tmp_path):
+  """``--help`` lists the command's flags and exits 0; a config path that does not exist and a ``--workdir``
+  that is a file are one line each, naming what is wrong."""
+  import subprocess
+  import sys
+
+  from tests import helpers
+
+  def train(*args):
+    cmd = [sys.executable, "train.py", *args]
+    return subprocess.run(
+      cmd, cwd=helpers.ROOT, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+
+  r = train("--help")
+  assert r.returncode == 0, r.stderr
+  assert "--workdir" in r.stdout and "--[no]dry_run" in r.stdout and "--config.FIELD=VALUE" in r.stdout
+  r = train("--config", "configs/digit.py")
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1].startswith("error: --config configs/digit.py: no such file; the configs")
+  assert "digits.py" in r.stderr and "__init__" not in r.stderr
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  r = train("--workdir", str(afile), "--config.num_train_steps=1")
+  assert r.returncode == 1
+  assert f"error: --workdir {afile}: is a file, not a directory" in r.stderr and "Traceback" not in r.stderr

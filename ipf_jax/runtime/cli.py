@@ -108,8 +108,25 @@ def _usage_error(message: str) -> None:
   sys.exit(preemption.EXIT_USAGE)
 
 
+def _config_file_error(argv) -> None:
+  """One line for a ``--config`` file that does not exist: its path and the configs beside it."""
+  path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+  path = path or next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if path is None or os.path.isfile(path.split(":")[0]):
+    return
+  folder = os.path.dirname(path) or "."
+  there = (
+    sorted(f for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("_"))
+    if os.path.isdir(folder)
+    else []
+  )
+  hint = f"the configs in {folder}/: {', '.join(there)}" if there else f"{folder}/ holds no config (*.py)"
+  _usage_error(f"--config {path}: no such file; {hint}")
+
+
 def _config_error(error: Exception, argv) -> None:
   """One line for an unknown field or malformed value in a ``--config...`` argument; exit code 2."""
+  _config_file_error(argv)
   overrides = [a for a in argv[1:] if a.startswith("--config")]
   culprit = next(
     (a for a in overrides if a.startswith("--config.") and re.search(rf"\b{re.escape(_field(a))}\b", str(error))), None
@@ -220,6 +237,16 @@ def main(argv):
   return 0
 
 
+def print_help() -> None:
+  """``--help``: the command's use and the flags that matter (absl's ``--helpfull`` lists all of them)."""
+  print((sys.modules["__main__"].__doc__ or __doc__).strip() + "\n")
+  print(FLAGS.module_help(sys.modules[__name__]))
+  print("\n  --config.FIELD=VALUE: any field of ipf_jax/config/defaults.py (e.g. --config.mode=ensemble)")
+
+
 def run(argv=None):
   """The ``train.py`` / ``ipf-train`` command: parse flags, run, exit with the documented code."""
+  if any(a in ("--help", "-h", "--helpshort", "-?") for a in (argv or sys.argv)[1:]):
+    print_help()
+    sys.exit(0)
   app.run(lambda a: sys.exit(main(a)), argv=argv, flags_parser=parse_flags)

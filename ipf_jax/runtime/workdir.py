@@ -50,10 +50,16 @@ def _not_writable(workdir: str) -> WorkdirError:
   )
 
 
+def _refuse_file(workdir: str) -> None:
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirError(f"--workdir {workdir}: is a file, not a directory; choose another --workdir")
+
+
 def prepare(workdir: str) -> None:
   """Creates ``workdir`` (its parent must exist) and checks that it is a writable directory."""
   refuse_remote(workdir)
   _require_parent(workdir)
+  _refuse_file(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -65,6 +71,7 @@ def prepare(workdir: str) -> None:
 def check(workdir: str) -> None:
   """``prepare``'s checks without creating anything (``--dry_run``)."""
   refuse_remote(workdir)
+  _refuse_file(workdir)
   if os.path.exists(workdir):
     if not os.path.isdir(workdir) or not os.access(workdir, os.W_OK | os.X_OK):
       raise _not_writable(workdir)
