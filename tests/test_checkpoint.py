@@ -175,18 +175,12 @@ def test_changed_fields_lists_every_difference_from_the_saved_config():
   assert compatibility.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> absent"]
 
 
-@pytest.mark.parametrize(
-  "flags,named",
-  [
-    (("--config.mode=ensemble",), ["config.mode='ipf'", "config.mode='ensemble'", "--config.mode='ipf'"]),
-    (("--config.weigh_on=common", "--dry_run"), ["config.weigh_on='own'", "config.weigh_on='common'"]),
-    (("--config.mode=ensemble", "--eval_only"), ["config.mode='ipf'"]),
-  ],
-)
-def test_a_resume_that_changes_what_the_run_is_stops_and_touches_nothing(uninterrupted, tmp_path, flags, named):
+def test_a_resume_that_changes_what_the_run_is_stops_and_touches_nothing(uninterrupted, tmp_path):
   """The trap of comparing modes in one workdir: a finished ipf run resumed with another mode (the state's shapes
-  agree) would be evaluated and reported as that mode's. It stops with the fields named, whatever the command
-  (train, --dry_run, --eval_only), and nothing in the workdir changes."""
+  agree) would be evaluated and reported as that mode's. It stops with the fields named and the flag that
+  resumes it, and nothing in the workdir changes. (--dry_run and --eval_only read through the same check:
+  ``checkpoint.check_latest``, ``restore_latest``.)"""
+  flags, named = ("--config.mode=ensemble",), ["config.mode='ipf'", "config.mode='ensemble'", "--config.mode='ipf'"]
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
   files = lambda: {p: os.path.getmtime(os.path.join(d, p)) for d, _, ps in os.walk(workdir) for p in ps if p != ".lock"}
@@ -198,6 +192,21 @@ def test_a_resume_that_changes_what_the_run_is_stops_and_touches_nothing(uninter
     assert words in r.stderr, r.stderr
   assert "Traceback" not in r.stderr
   assert files() == before
+
+
+def test_every_field_that_changes_what_a_run_is_is_named():
+  """``check_meaning`` names each differing field of ``MEANING_FIELDS`` (all of them, not the first), ignores the
+  others and fields an older checkpoint's config lacks."""
+  saved = json.loads(digits.get_config().to_json())
+  now = digits.get_config()
+  now.weigh_on, now.sync, now.base_lr = "common", "qsr", 0.3
+  with pytest.raises(compatibility.CheckpointError) as e:
+    compatibility.check_meaning(saved, now, "w")
+  assert "config.weigh_on='own', config.sync='step'" in str(e.value)
+  assert "--config.weigh_on='own' --config.sync='step'" in str(e.value) and "base_lr" not in str(e.value)
+  compatibility.check_meaning({k: v for k, v in saved.items() if k not in ("weigh_on", "sync")}, now, "w")
+  now.weigh_on, now.sync = "own", "step"
+  compatibility.check_meaning(saved, now, "w")  # base_lr alone: a resume may change it (and says so)
 
 
 def test_without_workdir_each_mode_trains_in_its_own_folder(tmp_path):
