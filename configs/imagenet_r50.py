@@ -13,6 +13,8 @@ ECE 0.017. On 8 GPUs each particle trains on its own GPU (mesh (8, 1)) with
 128 images per step; with 8 x bf16 particles expect roughly DDP's images/s
 (see BENCHMARKS.md for what was measured). GPUs without bfloat16 (V100, T4):
 add --config.dtype=float16 (float16 compute with dynamic loss scaling).
+Not measured at this scale. On Fashion-MNIST at equal compute no population setting beat a DDP with a tuned
+learning rate (BENCHMARKS.md, "The outer loop"): for one accurate model, --config.mode=ddp.
 """
 
 from ipf_jax.config import defaults

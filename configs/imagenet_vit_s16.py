@@ -17,6 +17,8 @@ big_vision's recipe and this config's fields (8 particles x 128 images = its bat
 Not here yet: big_vision's sigmoid cross-entropy (this task is softmax's). Published anchors for the recipe (big_vision,
 not measured here: no ImageNet machine): 76.5% top-1 at 90 epochs, 78.5% at 150, 80.0% at 300 for one model;
 "6-7h on a TPU-v3-8" for 90 epochs. Each particle here sees 128 images per step, not 1,024.
+Not measured at this scale. On Fashion-MNIST at equal compute no population setting beat a DDP with a tuned
+learning rate (BENCHMARKS.md, "The outer loop"): for one accurate model, --config.mode=ddp.
 """
 
 from ipf_jax.config import defaults

@@ -79,7 +79,7 @@ def test_workdir_parent_missing(tmp_path):
 def test_workdir_is_a_file(tmp_path):
   path = tmp_path / "file"
   path.write_text("x")
-  with pytest.raises(trainer.WorkdirError, match="cannot be created|is not a writable directory"):
+  with pytest.raises(trainer.WorkdirError, match="is a file, not a directory; choose another --workdir"):
     workdir_lib.prepare(str(path))
 
 
