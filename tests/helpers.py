@@ -170,6 +170,32 @@ def run_train_py(workdir, *flags, env=None, timeout=600, full_model=False, **kwa
   )
 
 
+def kill_train_py_at(workdir, line: str, *flags) -> int:
+  """``train.py`` on ``workdir`` with ``flags``, SIGKILLed when it prints a line containing ``line`` (bounded:
+  the run ends by itself otherwise); its return code (``-SIGKILL`` when killed)."""
+  import os
+  import signal
+  import subprocess
+
+  proc = subprocess.Popen(
+    train_py_argv(workdir, *flags),
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  try:
+    for out in proc.stdout:
+      if line in out:
+        proc.send_signal(signal.SIGKILL)
+        break
+  finally:
+    proc.kill()
+    proc.wait(timeout=60)
+  return proc.returncode
+
+
 class Running:
   """A ``train.py`` (or any command) running in the background, its stdout+stderr read line by line."""
 

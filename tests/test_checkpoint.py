@@ -35,25 +35,8 @@ def assert_same_state(a, b):
 
 
 def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = helpers.train_py_argv(tmp_path, *FLAGS)
-  proc = subprocess.Popen(
-    cmd,
-    cwd=root,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-  )
-  try:
-    for line in proc.stdout:  # bounded: the run ends by itself at step 30
-      if f"step 17/{STEPS}" in line:
-        proc.send_signal(signal.SIGKILL)
-        break
-  finally:
-    proc.kill()
-    proc.wait(timeout=60)
-  assert proc.returncode == -signal.SIGKILL, "the run must have been killed mid-way"
+  returncode = helpers.kill_train_py_at(tmp_path, f"step 17/{STEPS}", *FLAGS)
+  assert returncode == -signal.SIGKILL, "the run must have been killed mid-way"
   saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
   assert saved and max(saved) < STEPS
   r = helpers.run_train_py(tmp_path, *FLAGS)

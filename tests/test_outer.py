@@ -4,7 +4,6 @@ meshes, no collective over "particle" between syncs, and a killed run that resum
 import os
 import re
 import signal
-import subprocess
 
 import jax
 import numpy as np
@@ -156,23 +155,8 @@ def test_a_killed_outer_loop_run_resumes_bit_for_bit(tmp_path):
   r = helpers.run_train_py(whole, *flags)
   assert r.returncode == 0, r.stdout + r.stderr
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(
-    helpers.train_py_argv(killed, *flags),
-    cwd=helpers.ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-  )
-  try:
-    for line in proc.stdout:  # bounded: the run ends by itself at step 16
-      if "step 11/16" in line:
-        proc.send_signal(signal.SIGKILL)
-        break
-  finally:
-    proc.kill()
-    proc.wait(timeout=60)
-  assert proc.returncode == -signal.SIGKILL, "the run must have been killed mid-way"
+  returncode = helpers.kill_train_py_at(killed, "step 11/16", *flags)
+  assert returncode == -signal.SIGKILL, "the run must have been killed mid-way"
   saved = max(int(d) for d in os.listdir(killed / "checkpoints") if d.isdigit())
   assert 0 < saved < 16
   r = helpers.run_train_py(killed, *flags)
