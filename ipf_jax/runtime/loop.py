@@ -158,7 +158,8 @@ def fetch(pending: list) -> list:
   """The steps' metrics on the host: replicated ones as they are, the outer loop's per-particle ones (sharded
   over "particle", on several processes not all addressable here) gathered; ``ess`` and ``num_alive`` added
   where a local step could not compute them."""
-  gather = lambda x: x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+  local = lambda x: x.is_fully_addressable or x.is_fully_replicated  # device_get reads these as they are
+  gather = lambda x: x if local(x) else multihost_utils.process_allgather(x, tiled=True)
   return [outer_step.host_metrics(m) for m in jax.device_get(jax.tree.map(gather, pending))]
 
 
