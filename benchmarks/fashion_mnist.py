@@ -99,6 +99,10 @@ METHODS = {
   # the outer loop (DESIGN.md §3b): plain local steps, the filter and the weighted average at syncs; the fused
   # model (the anchor) with its BatchNorm statistics re-estimated on 4 train batches, as SWAP does
   **{name: dict(mode="ipf", fused_bn_batches=4, **fields) for name, fields in OUTER.items()},
+  # the control for the outer optimizer (Lookahead): the same schedule and outer Nesterov on one DDP model
+  "ddp + qsr + outer nesterov 0.7 x 0.9 (lookahead)": dict(
+    mode="ddp", num_particles=1, fused_bn_batches=4, **OUTER["qsr + outer nesterov 0.7 x 0.9"]
+  ),
 }
 COLUMNS = [
   ("ens_acc", 100, ".2f"),

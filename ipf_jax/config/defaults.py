@@ -178,6 +178,7 @@ def _outer(config: ml_collections.ConfigDict) -> None:
   config.sync = "step"                 # step: weigh, correct (correction, elastic_pull) and resample every step
                                        # (DESIGN.md §3, the seed's reading) | every | qsr | swap: the outer loop
                                        # (§3b): plain local steps, the filter and the weighted average at syncs
+                                       # (mode=ddp with every | qsr: one model, the outer optimizer: Lookahead)
   config.sync_every = 8                # every: sync each H steps; qsr: H_base
   config.sync_qsr_alpha = 0.25         # qsr: after a sync the next comes max(H_base, floor((alpha peak_lr / lr)^2))
                                        # steps later (Gu et al., ICLR 2024): rarer as the learning rate decays

@@ -16,8 +16,9 @@ SYNC_OPT_STATES = ("keep", "reset", "average")
 
 
 def outer_spec(config: ml_collections.ConfigDict) -> Optional[OuterSpec]:
-  """The outer loop's settings when ``config.sync`` asks for it in ipf mode with several particles, else None."""
-  if config.sync == "step" or config.mode != "ipf" or config.num_particles == 1:
+  """The outer loop's settings when ``config.sync`` asks for it (a population in ipf mode, or one DDP replica
+  with an outer optimizer: Lookahead), else None."""
+  if config.sync == "step" or config.mode == "ensemble" or config.num_particles == 1 and config.mode == "ipf":
     return None
   return OuterSpec(**{f: config[f] for f in OuterSpec.__dataclass_fields__})
 
@@ -53,10 +54,11 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
   if config.sync == "step":
     return
   _check(
-    config.mode == "ipf" and config.num_particles > 1,
+    config.mode == "ipf" and config.num_particles > 1 or config.mode == "ddp" and config.sync != "swap",
     "sync",
-    f"={config.sync!r} is the outer loop of a population in mode='ipf'; this run has mode={config.mode!r} with "
-    f"num_particles={config.num_particles}. Set mode='ipf' and num_particles > 1, or sync='step'",
+    f"={config.sync!r} is the outer loop of a population in mode='ipf' (or, every/qsr, of one DDP model with "
+    f"an outer optimizer); this run has mode={config.mode!r} with num_particles={config.num_particles}. Set "
+    "mode='ipf' and num_particles > 1, or sync='step'",
   )
   for field, value, why in (
     ("elastic_pull", config.elastic_pull, "the outer loop pulls at syncs by sync_pull"),
