@@ -17,6 +17,7 @@ LAYERS = (
   ("config",),
   ("reporting",),
   ("runtime",),
+  ("compare",),  # python -m ipf_jax.compare: the command, above everything
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

@@ -235,3 +235,17 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
         pytest.fail(f"{what}: this test does not know how to run it; teach tests/test_readme.py")
   assert readers <= trained | {None}, (readers, trained)
   assert any("Modes table, DDP" in s and "mode=ddp" in s for s in seen), seen
+
+
+def test_license_and_citation_agree_with_the_package():
+  """LICENSE is the Apache-2.0 text pyproject.toml names; CITATION.cff cites the package's version."""
+  import tomllib
+
+  project = tomllib.load(open(os.path.join(helpers.ROOT, "pyproject.toml"), "rb"))["project"]
+  assert project["license"] == {"text": "Apache-2.0"}
+  text = open(os.path.join(helpers.ROOT, "LICENSE")).read()
+  assert "Apache License" in text.splitlines()[1] and "Version 2.0, January 2004" in text
+  assert "END OF TERMS AND CONDITIONS" in text
+  citation = open(os.path.join(helpers.ROOT, "CITATION.cff")).read()
+  assert re.search(rf"^version: {re.escape(project['version'])}$", citation, re.M)
+  assert re.search(r"^license: Apache-2.0$", citation, re.M)
