@@ -325,7 +325,7 @@ class Reference:
       updates, self.opt_state[i] = self._update(d, self.opt_state[i], self.params[i])
       self.params[i] = optax.apply_updates(self.params[i], updates)
       self.batch_stats[i] = stats[i]
-    if s.elastic_pull:  # pull towards theta_bar = sum_j w_j theta_j (after every particle's update)
+    if s.elastic_pull and (self.step + 1) % s.elastic_pull_every == 0:  # towards theta_bar = sum_j w_j theta_j
       fused = jax.tree.map(
         lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0), *self.params
       )

@@ -1,6 +1,6 @@
 """docs/DESIGN.md is the design the code cites: every ``DESIGN.md §N`` / ``DESIGN.md "Name"`` reference in the
 code, tests, configs, examples and docs resolves to one of its headings (and every ``BENCHMARKS.md "Name"``
-to one of BENCHMARKS.md's), and its layout names every module."""
+to one of BENCHMARKS.md's or its history's), and its layout names every module."""
 
 import json
 import os
@@ -42,6 +42,7 @@ def sources() -> dict:
     "examples",
     "docs",
     "README.md",
+    "CONTRIBUTING.md",
     "BENCHMARKS.md",
     "train.py",
   ):
@@ -73,8 +74,14 @@ def unresolved(texts: dict, documents: dict) -> tuple[list, int]:
   return missing, found
 
 
+HISTORY = os.path.join(ROOT, "docs", "benchmarks", "HISTORY.md")
+
+
 def documents() -> dict:
-  return {name: open(path, encoding="utf-8").read() for name, path in DOCS.items()}
+  """The documents' texts; a BENCHMARKS.md heading may also be one of its history's (docs/benchmarks/)."""
+  texts = {name: open(path, encoding="utf-8").read() for name, path in DOCS.items()}
+  texts["BENCHMARKS.md"] += "\n" + open(HISTORY, encoding="utf-8").read()
+  return texts
 
 
 def test_every_design_and_benchmarks_reference_resolves_to_a_heading():

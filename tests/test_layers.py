@@ -1,4 +1,4 @@
-"""The package's layers (README "Code map", docs/DESIGN.md §9): a module imports only from its own subpackage
+"""The package's layers (CONTRIBUTING.md "Code map", docs/DESIGN.md §9): a module imports only from its own subpackage
 and from the layers below it, so each layer can be read, and tested, without those above it."""
 
 import ast

@@ -33,30 +33,39 @@ from ipf_jax.runtime import cli, trainer
 from tests import helpers
 
 README = os.path.join(helpers.ROOT, "README.md")
+# The user's documents, in reading order: the README first, then where it sends its reader.
+USER_DOCS = ("README.md", "docs/RUNNING.md", "docs/LIBRARY.md", "docs/EVALUATION.md", "CONTRIBUTING.md")
+LIBRARY = os.path.join(helpers.ROOT, "docs", "LIBRARY.md")
 sys.path.insert(0, os.path.join(helpers.ROOT, "examples"))
 # A real run is short and small: these commands are checked for working, not for how well they train.
 REAL_STEPS = ["--config.num_train_steps=4", "--config.log_every_steps=2", "--config.cnn_features=(4,8)"]
 PLACEHOLDER = "/path/to/"
 
 
-def readme_commands(text):
-  """``(where, tokens)`` of every command: bash blocks (``\\`` joined, ``#`` comments and ``&&`` split), the
-  Modes table's flags and inline spans starting with ``python `` or ``pip ``."""
+def readme_commands(text, name="README"):
+  """``(where, tokens)`` of every command of one document: bash blocks (``\\`` joined, ``#`` comments and ``&&``
+  split), the README's Modes table's flags and inline spans starting with ``python `` or ``pip ``."""
   found = []
   for block in re.finditer(r"```bash\n(.*?)```", text, re.S):
     for line in block.group(1).replace("\\\n", " ").splitlines():
       tokens = shlex.split(line, comments=True)
       while tokens:
         cut = tokens.index("&&") if "&&" in tokens else len(tokens)
-        found.append((f"README line {text[: block.start()].count(chr(10)) + 1}", tokens[:cut]))
+        found.append((f"{name} line {text[: block.start()].count(chr(10)) + 1}", tokens[:cut]))
         tokens = tokens[cut + 1 :]
-  modes = text[text.index("## Modes") :]
-  for row in modes[: modes.index("\n\n", modes.index("|"))].splitlines()[2:]:
-    for span in re.findall(r"`(--config\.[^`]+)`", row.split("|")[2]):
-      found.append((f"Modes table, {row.split('|')[1].strip()}", ["python", "train.py", *shlex.split(span)]))
+  if "## Modes" in text:
+    modes = text[text.index("## Modes") :]
+    for row in modes[modes.index("\n|") + 1 : modes.index("\n\n", modes.index("\n|"))].splitlines()[2:]:
+      for span in re.findall(r"`(--config\.[^`]+)`", row.split("|")[2]):
+        found.append((f"Modes table, {row.split('|')[1].strip()}", ["python", "train.py", *shlex.split(span)]))
   for span in re.findall(r"`((?:python|pip) [^`]+)`", text):
-    found.append(("inline", shlex.split(span)))
+    found.append((f"{name} inline", shlex.split(span)))
   return found
+
+
+def user_commands():
+  """Every command of the user's documents, in reading order."""
+  return [c for doc in USER_DOCS for c in readme_commands(open(os.path.join(helpers.ROOT, doc)).read(), doc)]
 
 
 def train_flags(tokens):
@@ -90,7 +99,7 @@ def _workdir(tokens):
 
 
 def library_commands(text):
-  """The lines of the bash blocks of README's "Use it as a library" section, as a user would paste them."""
+  """The lines of the bash blocks of docs/LIBRARY.md's "Use it as a library" section, as a user would paste them."""
   section = text[text.index("## Use it as a library") :]
   section = section[: section.index("\n## ")]
   return [
@@ -102,10 +111,10 @@ def library_commands(text):
 
 
 def test_library_commands_run_verbatim_in_a_fresh_environment(tmp_path):
-  """README's library commands, pasted into a shell in a fresh virtualenv in a copy of the checkout (pip
+  """docs/LIBRARY.md's library commands, pasted into a shell in a fresh virtualenv in a copy of the checkout (pip
   offline: the dependencies are this environment's, see ``helpers.venv_env``): the install first, then each
   example as written. The one with the placeholder data path must stop on the missing data alone."""
-  commands = library_commands(open(README).read())
+  commands = library_commands(open(LIBRARY).read())
   assert commands[0].split("#")[0].split() == ["pip", "install", "-e", "."], commands
   src = helpers.copy_checkout(tmp_path / "checkout")
   env = helpers.venv_env(helpers.fresh_venv(tmp_path / "venv"))
@@ -121,9 +130,9 @@ def test_library_commands_run_verbatim_in_a_fresh_environment(tmp_path):
 
 
 def test_library_programs_run_verbatim(tmp_path):
-  """README's two library programs (Linen, then NNX with AdamW), pasted one after the other into a fresh
+  """docs/LIBRARY.md's two library programs (Linen, then NNX with AdamW), pasted one after the other into a fresh
   Python process (the package importable, as after the install line; nothing forced)."""
-  section = open(README).read()
+  section = open(LIBRARY).read()
   section = section[section.index("## Use it as a library") :]
   programs = re.findall(r"```python\n(.*?)```", section[: section.index("\n## ")], re.S)
   assert len(programs) == 2 and "nnx.Module" in programs[1], programs
@@ -148,9 +157,9 @@ def test_library_programs_run_verbatim(tmp_path):
 
 
 def test_readme_claims_the_example_length():
-  text = open(README).read()
-  claimed = int(re.search(r"`examples/custom_model.py`, (\d+) lines", text).group(1))
-  assert claimed == len(open(os.path.join(helpers.ROOT, "examples", "custom_model.py")).read().splitlines())
+  lines = len(open(os.path.join(helpers.ROOT, "examples", "custom_model.py")).read().splitlines())
+  assert int(re.search(r"`examples/custom_model.py`, (\d+) lines", open(LIBRARY).read()).group(1)) == lines
+  assert int(re.search(r"the whole program, (\d+) lines", open(README).read()).group(1)) == lines
 
 
 def with_fashion_dir(tokens, fashion_dir):
@@ -163,8 +172,7 @@ def with_fashion_dir(tokens, fashion_dir):
 
 
 def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_dir):
-  commands = readme_commands(open(README).read())
-  commands = [(where, with_fashion_dir(tokens, fashion_dir)) for where, tokens in commands]
+  commands = [(where, with_fashion_dir(tokens, fashion_dir)) for where, tokens in user_commands()]
   assert len(commands) >= 15, commands
   monkeypatch.chdir(tmp_path)
   os.symlink(os.path.join(helpers.ROOT, "configs"), "configs")
@@ -211,6 +219,12 @@ def test_every_readme_command_works_as_written(tmp_path, monkeypatch, fashion_di
           assert prepare.read_fashion_mnist(prepare.DEBIAN_SOURCE["fashion_mnist"]), what
         else:
           assert tokens[1:] == ["update"], what
+      elif tokens[:3] == ["python", "-m", "ipf_jax.compare"]:  # as typed, checked by its own --dry_run
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=helpers.ROOT)
+        r = subprocess.run(
+          [sys.executable, *tokens[1:], "--dry_run"], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == 0 and "Nothing was written" in r.stdout, (what, r.stdout[-2000:], r.stderr[-2000:])
       elif tokens[:2] == ["python", "-m"] and tokens[2] == "pytest":
         ci = open(os.path.join(helpers.ROOT, ".ci", "run")).read()
         assert " ".join(tokens) in ci, f"{what} is not what .ci/run runs"
@@ -249,3 +263,33 @@ def test_license_and_citation_agree_with_the_package():
   citation = open(os.path.join(helpers.ROOT, "CITATION.cff")).read()
   assert re.search(rf"^version: {re.escape(project['version'])}$", citation, re.M)
   assert re.search(r"^license: Apache-2.0$", citation, re.M)
+
+
+def test_job_scripts_parse_as_train_py_commands():
+  """docs/RUNNING.md's job scripts (``sh`` blocks: SLURM, TPU pods, Kubernetes; no cluster here to run them):
+  each ``python train.py`` in them is a command train.py's own parser takes, its config loaded."""
+  text = open(os.path.join(helpers.ROOT, "docs", "RUNNING.md")).read()
+  lines = [
+    line[line.index("python train.py") :].rstrip('"')
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S)
+    for line in block.replace("\\\n", " ").splitlines()
+    if "python train.py" in line
+  ]
+  assert len(lines) == 3, lines
+  for line in lines:
+    tokens = [t.replace("$JOB_COMPLETION_INDEX", "0") for t in shlex.split(line)]
+    fv = train_flags(tokens)
+    assert fv.config.dataset == "imagenet2012" and fv.workdir.startswith(("/shared/", "/mnt/")), line
+
+
+def test_the_user_documents_stay_short_and_speak_to_users():
+  """The README is read in ten minutes (at most 250 lines), BENCHMARKS.md is for readers (at most 900 lines,
+  its history in docs/benchmarks/), and neither talks about the project's issues."""
+  readme = open(README).read()
+  benchmarks = open(os.path.join(helpers.ROOT, "BENCHMARKS.md")).read()
+  assert readme.count("\n") <= 250 and benchmarks.count("\n") <= 900
+  for text in (readme, benchmarks):
+    assert "(issue:" not in text and 'issue "' not in text
+  for doc in USER_DOCS[1:] + ("docs/CONFIG.md", "docs/benchmarks/HISTORY.md", "LICENSE", "CITATION.cff"):
+    assert os.path.isfile(os.path.join(helpers.ROOT, doc)), doc
+    assert doc.split("/")[-1] in readme or doc == "docs/benchmarks/HISTORY.md", f"the README links {doc}"

@@ -206,9 +206,15 @@ def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop)
   assert int(s.host_state().step) == 4
 
 
-@pytest.mark.parametrize("dp,dd,p,alpha", [(4, 2, 8, 0.2), (8, 1, 16, 0.2), (1, 8, 2, 0.2), (2, 4, 4, 1.0)])
-def test_elastic_pull_matches_reference(dp, dd, p, alpha):
-  config = helpers.tiny_config(num_particles=p, temperature=1.0, correction=0.5, elastic_pull=alpha, ess_threshold=0.3)
+@pytest.mark.parametrize(
+  "dp,dd,p,alpha,every",
+  [(4, 2, 8, 0.2, 1), (8, 1, 16, 0.2, 1), (1, 8, 2, 0.2, 1), (2, 4, 4, 1.0, 1), (4, 2, 8, 0.5, 3)],
+)
+def test_elastic_pull_matches_reference(dp, dd, p, alpha, every):
+  """The pull after every update, or on every ``every``-th step only (steps 3 of 4 here: PAPA's gentle pull)."""
+  config = helpers.tiny_config(
+    num_particles=p, temperature=1.0, correction=0.5, elastic_pull=alpha, ess_threshold=0.3, elastic_pull_every=every
+  )
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
   assert_same_run(s, ref, spmd, refr)
   if alpha == 1.0:  # every particle is moved onto the fused parameters (independent inits before)

@@ -57,7 +57,7 @@ class Parts:
 
 def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
   """Classification with the zoo model ``config.model`` (SyncBN over ``"data"``), ``label_smoothing`` and
-  ``mixup``."""
+  ``mixup``, per particle with their ``_spread``."""
   from ipf_jax import models
 
   return classification(
@@ -66,6 +66,9 @@ def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
     rngs=models.rngs(config),
     mixup=config.mixup,
     num_classes=num_classes,
+    label_smoothing_spread=config.label_smoothing_spread,
+    mixup_spread=config.mixup_spread,
+    num_particles=config.num_particles,
   )
 
 

@@ -14,7 +14,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   """Every field with its default, locked: a misspelt override is an error naming the closest field."""
   config = ml_collections.ConfigDict()
-  for section in (_run, _data, _model, _optimiser, _particles, _outer, _devices):
+  for section in SECTIONS:
     section(config)
   config.lock()
   return config
@@ -95,9 +95,14 @@ def _optimiser(config: ml_collections.ConfigDict) -> None:
   config.warmup_steps = 20             # linear warmup, then cosine decay to 0
   config.warmup_epochs = 0.0           # if > 0: warmup length in epochs instead of warmup_steps
   config.label_smoothing = 0.0         # cross-entropy label smoothing
+  config.label_smoothing_spread = 0.0  # > 0: per-particle label smoothing (PAPA): particle slot i of P smooths by
+                                       # label_smoothing + spread * i / (P - 1), so members differ in how they
+                                       # regularise; label_smoothing + spread < 1
   config.randaugment_layers = 0        # TFDS data: RandAugment(layers, magnitude) in tf.data after the crop
   config.randaugment_magnitude = 10.0  # and flip (big_vision's ViT recipe: 2, 10); 0 layers = off
   config.mixup = 0.0                   # > 0: mixup in the step, ratio ~ Dirichlet(mixup, mixup) (big_vision: 0.2)
+  config.mixup_spread = 0.0            # > 0: per-particle mixup (PAPA): slot i mixes with concentration
+                                       # mixup + spread * i / (P - 1) (0: that particle does not mix)
   config.grad_accum_steps = 1          # k: each step's global batch runs as k micro-batches of G / k (activation
                                        # memory of G / k), gradients and losses averaged, then one filter step
                                        # and one update (1 = off)
@@ -146,6 +151,9 @@ def _particles(config: ml_collections.ConfigDict) -> None:
                                        # the outer loop averages parameters at syncs instead)
   config.elastic_pull = 0.0            # alpha in [0, 1]: after each update theta_i += alpha (theta_bar - theta_i),
                                        # theta_bar = sum_i w_i theta_i (ipf mode; 0 = off)
+  config.elastic_pull_every = 1        # the elastic pull on every k-th step only: alpha 0.1 every 100 steps is
+                                       # about PAPA's gentle 0.001 a step, at one all-reduce of the parameters
+                                       # per k steps
   config.ess_threshold = 0.5           # resample when ESS < ess_threshold * P (islands: any island's ESS
                                        # below ess_threshold * P / islands)
   config.islands = 1                   # G dividing P: groups of P / G particles, each weighed (an equal share of
@@ -199,8 +207,8 @@ def _devices(config: ml_collections.ConfigDict) -> None:
   config.num_devices = 0               # devices to use (0 = all)
   config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
   config.fsdp = False                  # shard each particle's parameters and optimizer state over the Dd devices
-                                       # of its group, gathered for the forward pass (README "Running on
-                                       # devices"); sgd, adamw, lion; not with float16 or compress_correction
+                                       # of its group, gathered for the forward pass (docs/RUNNING.md
+                                       # "Devices"); sgd, adamw, lion; not with float16 or compress_correction
   config.fsdp_min_size_mb = 1.0        # fsdp: leaves of at least this many MiB per particle are sharded, along
                                        # their largest dimension that Dd divides; smaller ones stay whole
                                        # (big_vision's min_size_to_shard_mb, whose 4 would leave ViT-B's 2.25 MiB
@@ -213,3 +221,6 @@ def _devices(config: ml_collections.ConfigDict) -> None:
                                        # at Dd=8 on XLA:CPU: 0.42x); unrolled it does not (BENCHMARKS.md
                                        # "Gathering block by block under remat")
   config.num_cpu_devices = 0           # on a CPU-only host, split the CPU into N devices (0 = leave)
+
+
+SECTIONS = (_run, _data, _model, _optimiser, _particles, _outer, _devices)  # get_config's order; docs/CONFIG.md's

@@ -101,6 +101,7 @@ def particle_spec(config: ml_collections.ConfigDict) -> ParticleSpec:
     jitter_lr=float(config.jitter_lr),
     compress_correction=bool(config.compress_correction) and config.correction > 0,
     elastic_pull=float(config.elastic_pull),
+    elastic_pull_every=int(config.elastic_pull_every),
     resample_exchange=config.resample_exchange,
     resample_placement=config.resample_placement,
     ess_target=float(config.ess_target),
@@ -255,6 +256,8 @@ def validate_algorithm(config: ml_collections.ConfigDict) -> None:
   )
   _check(0 <= config.correction <= 1, "correction", f"must be in [0, 1], got {config.correction}")
   _check(0 <= config.elastic_pull <= 1, "elastic_pull", f"must be in [0, 1], got {config.elastic_pull}")
+  every = config.elastic_pull_every
+  _check(isinstance(every, int) and every >= 1, "elastic_pull_every", f"must be an integer >= 1, got {every!r}")
   _check(0 <= config.ess_threshold <= 1, "ess_threshold", f"must be in [0, 1], got {config.ess_threshold}")
   _check(
     config.resample_every >= 0, "resample_every", f"must be >= 0 (0 = never on schedule), got {config.resample_every}"
@@ -277,6 +280,13 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   )
   _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
+  _check(
+    config.label_smoothing_spread >= 0 and config.label_smoothing + config.label_smoothing_spread < 1,
+    "label_smoothing_spread",
+    f"must be >= 0 with label_smoothing + it < 1 (the last particle's smoothing), got {config.label_smoothing_spread} "
+    f"with label_smoothing={config.label_smoothing}",
+  )
+  _check(config.mixup_spread >= 0, "mixup_spread", f"must be >= 0 (0 = off), got {config.mixup_spread}")
   _check(
     isinstance(config.randaugment_layers, int) and config.randaugment_layers >= 0,
     "randaugment_layers",

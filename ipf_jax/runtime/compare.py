@@ -16,7 +16,8 @@ sets' and the OOD sets' numbers when the config evaluates them, disagreement) an
 process (for multi-host runs, train each mode with train.py).
 
 Exit codes as train.py's (0 finished; 1 error; 2 bad command line; 75, 130, 143 stopped with a checkpoint saved:
-rerun the same command).
+rerun the same command). ``--dry_run`` checks every mode's config, devices, data and sub-folder and says what
+each would do, writing nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -159,15 +161,22 @@ def plot(runs: list[tuple[str, str, dict]], path: str) -> None:
   plt.close(fig)
 
 
-def compare(config, workdir: str, modes: list[tuple[str, str | None]]) -> list[dict]:
+def compare(config, workdir: str, modes: list[tuple[str, str | None]], dry_run: bool = False) -> list[dict]:
   """Trains (or resumes, or only evaluates) each mode in ``workdir/<mode>``; writes the table, compare.json and
-  compare.png; returns the rows. Every mode's config is checked before the first trains."""
+  compare.png; returns the rows. Every mode's config is checked before the first trains; ``dry_run``: only
+  that, and what each would do."""
   import jax
 
   validation.setup_devices(config)
   configs = [(name_of(m, s), mode_config(config, m, s)) for m, s in modes]
   for _, c in configs:
     validation.validate(c, jax.device_count())
+  if dry_run:  # what each mode would do (train, resume at step N, only evaluate); nothing compiled or written
+    with tempfile.TemporaryDirectory() as empty:  # a --workdir not made yet: checked as a new one would be
+      where = workdir if os.path.isdir(workdir) else empty
+      for name, c in configs:
+        print(f"{name}: {trainer.check_run(c, os.path.join(where, name)).replace(where, workdir)}")
+    return []
   runs, rows = [], []
   for k, (name, c) in enumerate(configs):
     sub = os.path.join(workdir, name)
@@ -194,8 +203,9 @@ def main(argv) -> int:
     "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0] + "_compare"
   )
   try:
-    os.makedirs(workdir, exist_ok=True)
-    compare(FLAGS.config, workdir, parse_modes(FLAGS.modes))
+    if not FLAGS.dry_run:
+      os.makedirs(workdir, exist_ok=True)
+    compare(FLAGS.config, workdir, parse_modes(FLAGS.modes), dry_run=FLAGS.dry_run)
   except cli.ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return preemption.EXIT_ERROR
@@ -214,7 +224,9 @@ def run(argv=None) -> None:
   argv = argv or sys.argv
   if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
     print(__doc__.strip() + "\n")
-    for name in ("config", "modes", "workdir"):
-      print(f"  --{name}: {FLAGS[name].help}")
+    helps = {name: FLAGS[name].help for name in ("config", "modes", "dry_run")}
+    helps["workdir"] = "Folder of the comparison: one sub-folder per mode; default runs/<config file's name>_compare."
+    for name, text in helps.items():
+      print(f"  --{name}: {text}")
     sys.exit(0)
   app.run(lambda a: sys.exit(main(a)), argv=argv, flags_parser=cli.parse_flags)

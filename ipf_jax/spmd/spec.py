@@ -22,6 +22,7 @@ class ParticleSpec:
   resampling: bool = False  # whether the step has the resampling branch at all (ipf mode, P > 1)
   compress_correction: bool = False
   elastic_pull: float = 0.0
+  elastic_pull_every: int = 1  # the pull on every k-th step only (a gentle pull, PAPA)
   particle_loop: str = "vmap"  # resolved: vmap | map | unroll
   resample_exchange: str = "auto"  # all_to_all | rounds | auto (population.exchange.choose_exchange)
   resample_placement: str = "ascending"  # ascending | local (population.particle_filter.place_local)

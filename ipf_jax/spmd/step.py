@@ -78,9 +78,9 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   sharded = fsdp.is_sharded(dims)
 
   def loss_fn(params, shared, batch_stats, batch, keys):
-    model_key, augment_key = keys
-    if task.augment is not None:  # mixup: the particle's examples and targets, mixed
-      batch = task.augment(batch, augment_key)
+    model_key, augment_key, slot = keys
+    if task.augment is not None:  # mixup: the particle's examples and targets, mixed; per slot: its own strength
+      batch = task.augment(batch, augment_key, slot) if task.augment_takes_slot else task.augment(batch, augment_key)
     outputs, new_stats = apply_particle(task, spec, params, shared, batch_stats, batch, model_key, dims)
     return lax.pmean(task.loss(outputs, batch).mean(), DATA), new_stats
 
@@ -96,6 +96,7 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
     keys = (
       particle_keys(micro_key(Stream.MODEL), num_local) if task.rngs else None,
       slot_keys(micro_key(Stream.AUGMENT), num_local) if task.augment is not None else None,
+      lax.axis_index(PARTICLE) * num_local + jnp.arange(num_local) if task.augment_takes_slot else None,
     )
     (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, batch_stats, micro_batch, keys)
     return loss, batch_stats, grads, shared_grads, proposed
@@ -266,7 +267,8 @@ def correct_and_update(
 ):
   """``d_i = (1 - lambda) g_i + lambda sum_j w_j g_j`` (optionally compressed, with error feedback),
   ``theta_i, mu_i <- opt(d_i, mu_i, theta_i)``, then the optional elastic pull
-  ``theta_i <- (1 - alpha) theta_i + alpha sum_j w_j theta_j``. Shared parameters take one update with
+  ``theta_i <- (1 - alpha) theta_i + alpha sum_j w_j theta_j`` (on steps ``k, 2k, ...`` with
+  ``elastic_pull_every = k``). Shared parameters take one update with
   the weighted consensus gradient (lambda = 1 for them).
 
   ``config.fsdp``: the leaves are shards (``dims``), each updated on its own (an element-wise optimizer).
@@ -283,7 +285,11 @@ def correct_and_update(
   with fsdp.updating(dims):  # config.fsdp: the optimizer's clipping norms the whole particle, not a shard
     updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  params = correction.correct(params, weights, spec.elastic_pull, PARTICLE)
+  if spec.elastic_pull and spec.elastic_pull_every > 1:  # a gentle pull: every k-th step only, its psum skipped
+    pull = lambda p: correction.correct(p, weights, spec.elastic_pull, PARTICLE)
+    params = lax.cond((state.step + 1) % spec.elastic_pull_every == 0, pull, lambda p: p, params)
+  else:
+    params = correction.correct(params, weights, spec.elastic_pull, PARTICLE)
   shared_updates, shared_opt_state = tx.update(
     correction.weighted_sum(g.shared_grads, weights, PARTICLE), state.shared_opt_state, state.shared_params
   )

@@ -64,6 +64,10 @@ class Task:
     augment: ``(batch, key) -> batch``, a train-time transform of one particle's shard of the batch inside
       the train step, before the model and the loss (``mix``: mixup), with a key per particle and step; or
       ``None``. It may use collectives over ``"data"`` (the particle's other shards).
+    augment_takes_slot: ``augment`` is ``(batch, key, slot) -> batch``, ``slot`` the particle's index in the
+      population (``0 .. P - 1``, an int32 scalar): per-particle regularisation (PAPA), e.g.
+      ``classification(label_smoothing_spread=...)``. A slot keeps its strength when resampling copies another
+      particle into it.
   """
 
   model: Any  # nn.Module, or nnx_bridge.NNXModel (made from an NNX module in __post_init__)
@@ -76,7 +80,8 @@ class Task:
   rngs: tuple = ()
   diversity: Optional[Callable] = None
   finalize_diversity: Optional[Callable[[dict], dict]] = None
-  augment: Optional[Callable[[dict, jax.Array], dict]] = None
+  augment: Optional[Callable[..., dict]] = None
+  augment_takes_slot: bool = False
   blocks: Optional[str] = None
 
   def __post_init__(self):
@@ -125,14 +130,26 @@ def classification(
   rngs: tuple = (),
   mixup: float = 0.0,
   num_classes: Optional[int] = None,
+  label_smoothing_spread: float = 0.0,
+  mixup_spread: float = 0.0,
+  num_particles: int = 1,
 ) -> Task:
   """Softmax cross-entropy on integer labels ``[b]`` or soft targets ``[b, C]`` (class probabilities;
   ``label_smoothing`` optional on either); ``mixup > 0``: big_vision's mixup in the train step (``mix``,
-  needs ``num_classes``). The ensembles average class probabilities; scored (integer labels) by accuracy,
+  needs ``num_classes``). ``label_smoothing_spread`` or ``mixup_spread`` > 0: per-particle strengths (PAPA,
+  ``per_slot``): slot ``i`` of ``num_particles`` trains with ``label_smoothing + spread * i / (P - 1)`` and
+  mixup ``mixup + spread * i / (P - 1)``; the loss on other batches (weighing on common examples, syncs) is the
+  plain cross-entropy. The ensembles average class probabilities; scored (integer labels) by accuracy,
   NLL, ECE, Brier, selective prediction and tempered NLL / ECE / Brier (``metrics.classification_sums``);
   the population's disagreement and pairwise KL (``metrics.diversity_sums``)."""
-  if mixup and not num_classes:
-    raise ValueError("classification(mixup=...) needs num_classes: mixup mixes one-hot targets")
+  if (mixup or mixup_spread or label_smoothing_spread) and not num_classes:
+    raise ValueError("classification(mixup=..., *_spread=...) needs num_classes: they change one-hot targets")
+  spread = label_smoothing_spread or mixup_spread
+  augment = mix(mixup, num_classes, inputs, label) if mixup else None
+  if spread:
+    augment = per_slot(label_smoothing, label_smoothing_spread, mixup, mixup_spread, num_particles, num_classes,
+                       inputs, label)  # fmt: skip
+    label_smoothing = 0.0  # applied to the particle's targets in the step; other batches score plain
 
   def loss(logits, batch):
     y = batch[label]
@@ -153,7 +170,8 @@ def classification(
     rngs=rngs,
     diversity=metrics_lib.diversity_sums,
     finalize_diversity=metrics_lib.finalize_diversity,
-    augment=mix(mixup, num_classes, inputs, label) if mixup else None,
+    augment=augment,
+    augment_takes_slot=bool(spread),
     columns=(
       ("accuracy", "accuracy", "{:.2%}"),
       ("NLL", "nll", "{:.4f}"),
@@ -161,6 +179,28 @@ def classification(
       ("Brier", "brier", "{:.4f}"),
     ),
   )
+
+
+def per_slot(
+  smoothing: float, smoothing_spread: float, mixup: float, mixup_spread: float, num_particles: int, num_classes: int,
+  inputs: str = "image", label: str = "label",
+) -> Callable:  # fmt: skip
+  """PAPA's per-member regularisation as a slot-aware ``Task.augment``: slot ``i`` of ``P`` mixes its batch with
+  concentration ``mixup + mixup_spread * f`` (none at 0) and smooths its targets by ``smoothing +
+  smoothing_spread * f``, ``f = i / (P - 1)``; the targets leave soft ``[b, C]``."""
+
+  def augment(batch: dict, key: jax.Array, slot: jax.Array) -> dict:
+    f = slot.astype(jnp.float32) / max(num_particles - 1, 1)
+    if mixup or mixup_spread:
+      mixed = mix(jnp.maximum(mixup + mixup_spread * f, 1e-3), num_classes, inputs, label)(batch, key)
+      y = batch[label]
+      plain = {**batch, label: y.astype(jnp.float32) if y.ndim > 1 else jax.nn.one_hot(y, num_classes)}
+      batch = jax.tree.map(lambda m, b: jnp.where(mixup + mixup_spread * f > 0, m, b), mixed, plain)
+    y = batch[label]
+    targets = y.astype(jnp.float32) if y.ndim > 1 else jax.nn.one_hot(y, num_classes)
+    return {**batch, label: optax.smooth_labels(targets, smoothing + smoothing_spread * f)}
+
+  return augment
 
 
 def mix(p: float, num_classes: int, inputs: str = "image", label: str = "label") -> Callable:
