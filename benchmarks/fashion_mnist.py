@@ -63,6 +63,11 @@ OUTER = {
   "qsr + filter (ess_target=0.5)": dict(sync="qsr", sync_every=4, ess_target=0.5),
   "qsr + outer nesterov 0.7 x 0.9": dict(sync="qsr", sync_every=4, temperature=0.0, outer_lr=0.7, outer_momentum=0.9),
   "swap (half)": dict(sync="swap", sync_swap_fraction=0.5, temperature=0.0),
+  # PAPA's per-member regularisation on the best arm: slot i smooths by 0.2 i / 7 and mixes with concentration
+  # 0.2 i / 7 (slot 0 plain)
+  "qsr + papa (label smoothing and mixup spread 0.2)": dict(
+    sync="qsr", sync_every=4, temperature=0.0, label_smoothing_spread=0.2, mixup_spread=0.2
+  ),
 }
 METHODS = {
   "ddp": dict(mode="ddp", num_particles=1),
