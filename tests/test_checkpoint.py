@@ -49,6 +49,7 @@ def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
   )
 
 
+@pytest.mark.first_leg_only
 def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
@@ -89,7 +90,7 @@ def test_incompatible_checkpoint_names_the_field(uninterrupted, tmp_path, flag, 
   assert sorted(os.listdir(workdir / "checkpoints")) == before, "nothing saved may change"
 
 
-@pytest.mark.parametrize("dp,dd", [(4, 1), (2, 2), (1, 2), (8, 1)])
+@pytest.mark.parametrize("dp,dd", helpers.first_leg_only([(4, 1), (2, 2), (1, 2), (8, 1)], "4-1", "1-2"))
 def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
   saved, images, labels = helpers.saved_after_one_step(helpers.tiny_config(num_particles=8), 8, 1, tmp_path)
 
@@ -113,6 +114,7 @@ def test_impossible_target_names_a_device_count_that_works():
     validation.validate(config, 8)
 
 
+@pytest.mark.first_leg_only
 def test_float16_loss_scale_survives_a_restart(tmp_path):
   """The loss scale, its finite-step count and the overflow count are part of the saved state."""
   config = helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0**30, loss_scale_growth_interval=3)
@@ -252,6 +254,7 @@ def test_damage_is_decided_by_the_files_listed_at_commit(uninterrupted, tmp_path
   assert checkpoint_lib.damage(str(path)) == "meta/metadata cannot be read (JSONDecodeError)"
 
 
+@pytest.mark.first_leg_only
 def test_a_restore_that_fails_for_another_reason_stops_and_moves_nothing(uninterrupted, tmp_path, monkeypatch):
   """Files that check out but a restore that fails (here: out of memory) is not damage: one error naming
   the checkpoint, nothing set aside, whatever the error's words."""

@@ -30,7 +30,7 @@ def regression_data(n=96, seed=0):
   return {"x": x, "y": y}
 
 
-@pytest.mark.parametrize("dp,dd,p", [(4, 2, 4), (2, 4, 4), (8, 1, 8)])
+@pytest.mark.parametrize("dp,dd,p", helpers.first_leg_only([(4, 2, 4), (2, 4, 4), (8, 1, 8)], "8-1-8", "2-4-4"))
 def test_regression_ensembles_are_gaussian_mixtures(dp, dd, p):
   """Every row of the eval table against numpy: per particle, the weighted and uniform mixtures of the
   particles' Gaussians (NLL from the mixture density, RMSE of the mixture mean) and the fused model."""
@@ -160,6 +160,7 @@ def test_dropout_keys_differ_between_particles_shards_and_steps():
   assert len(rows) == 32, "2 steps x 4 particle groups x 2 local particles x 2 data shards: all distinct"
 
 
+@pytest.mark.first_leg_only
 def test_data_from_your_own_functions(tmp_path):
   """``ipf_jax.Data``: train batches from a function of the start step, eval batches of any size."""
   d = helpers.digits_data()

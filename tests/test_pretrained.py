@@ -83,6 +83,7 @@ def test_a_file_that_does_not_fit_names_its_parameters_and_the_fix(tmp_path):
     first_state(config_for(init_from=path, init_reinit="("))
 
 
+@pytest.mark.first_leg_only
 def test_train_py_fine_tunes_a_population_from_another_runs_fused_model(tmp_path):
   """The user's path: one run trains and exports, the next starts 4 particles from its fused model with a
   fresh head, trains and evaluates."""
