@@ -34,6 +34,9 @@ def _run(config: ml_collections.ConfigDict) -> None:
   config.time_limit_minutes = 0.0      # stop cleanly (save, exit code 75) after this much wall time (0 = none)
   config.keep_checkpoints = 3          # keep the newest K checkpoints
   config.async_checkpointing = True    # write checkpoints in the background while training goes on
+  config.trackers = "tensorboard"      # where the run's scalars go, comma-separated: tensorboard | mlflow (its
+                                       # server from MLFLOW_TRACKING_URI; it also gets the config as parameters
+                                       # and, at the end, the fused model, results and pictures as artifacts)
 
 
 def _data(config: ml_collections.ConfigDict) -> None:

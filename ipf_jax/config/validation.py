@@ -116,6 +116,26 @@ def _check(cond: bool, field: str, message: str):
     raise ConfigError(field, message)
 
 
+# config.trackers: each tracker and the package it needs (pyproject.toml's extra of the same name).
+TRACKER_PACKAGES = {"tensorboard": None, "mlflow": "mlflow"}
+
+
+def _check_trackers(config) -> None:
+  import importlib.util
+
+  names = [t.strip() for t in str(config.trackers).split(",") if t.strip()]
+  unknown = [t for t in names if t not in TRACKER_PACKAGES]
+  _check(not unknown, "trackers", f"unknown {unknown}; use a comma list of {', '.join(TRACKER_PACKAGES)}")
+  for name in names:
+    package = TRACKER_PACKAGES[name]
+    _check(
+      package is None or importlib.util.find_spec(package) is not None,
+      "trackers",
+      f"{name!r} needs the {package} package: pip install 'ipf-jax[{name}]' (or pip install {package}), or leave "
+      f"{name} out",
+    )
+
+
 def _check_choice(config, field, choices):
   value = config[field]
   _check(value in choices, field, f"unknown value {value!r}; use one of {', '.join(choices)}")
@@ -133,6 +153,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   _validate_numbers(config)
   validate_algorithm(config)
   sync.validate_sync(config)
+  _check_trackers(config)
   _validate_model(config)
   _validate_run(config)
   _validate_fsdp(config)

@@ -23,6 +23,7 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 
 from ipf_jax.evaluation import metrics as metrics_lib
+from ipf_jax.reporting import trackers as trackers_lib
 
 
 class SummaryWriter:
@@ -34,10 +35,13 @@ class SummaryWriter:
   that fails is reported once; training goes on without events.
   """
 
-  def __init__(self, workdir: str, flush_secs: float = 30.0):
-    self._writer = None
+  def __init__(self, workdir: str, flush_secs: float = 30.0, trackers=("tensorboard",), config=None):
+    """``trackers``: ``config.trackers`` parsed; MLflow and W&B sinks get every scalar too (``trackers``)."""
+    self._writer, self.sinks = None, []
     self._flush_secs, self._last_flush = flush_secs, time.monotonic()
     if jax.process_index() == 0:
+      self.sinks = trackers_lib.open_sinks(trackers, workdir, config or {})
+    if jax.process_index() == 0 and "tensorboard" in trackers:
       self._guard(
         lambda: setattr(
           self, "_writer", EventsWriter(os.path.join(workdir, "events"), filename_suffix=f".{os.getpid()}")
@@ -58,11 +62,12 @@ class SummaryWriter:
       )
 
   def scalars(self, step: int, values: dict) -> None:
+    finite = {tag: float(v) for tag, v in values.items() if np.isfinite(float(v))}
+    for sink in self.sinks:
+      sink.scalars(step, finite)
     if self._writer is None:
       return
-    summary = Summary(
-      value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items() if np.isfinite(float(v))]
-    )
+    summary = Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in finite.items()])
     event = Event(summary=summary, step=int(step), wall_time=time.time())
     self._guard(lambda: self._writer.write_event(event))
     if self._writer is not None and time.monotonic() - self._last_flush > self._flush_secs:
@@ -70,7 +75,7 @@ class SummaryWriter:
 
   def train_step(self, step: int, m: dict) -> None:
     """One step's metrics (host numpy ``m`` from the train step, its learning rate ``lr`` included)."""
-    if self._writer is None:
+    if self._writer is None and not self.sinks:
       return
     w = np.exp(m["log_weights"])
     alive = m["alive"] > 0
@@ -121,7 +126,15 @@ class SummaryWriter:
       self._guard(self._writer.flush)
       self._last_flush = time.monotonic()
 
-  def close(self) -> None:
+  def artifacts(self, paths: list) -> None:
+    """Files of the run (the fused model, results, pictures) to the trackers that keep artifacts."""
+    for sink in self.sinks:
+      sink.artifacts([p for p in paths if os.path.isfile(p)])
+
+  def close(self, finished: bool = False) -> None:
+    for sink in self.sinks:
+      sink.close(finished)
+    self.sinks = []
     if self._writer is not None:
       self._guard(self._writer.close)
       self._writer = None

@@ -50,6 +50,7 @@ def _flat_config(config) -> dict:
 HOW_FIELDS = frozenset(
   {
     "log_every_steps",
+    "trackers",
     "eval_every_steps",
     "checkpoint_every_steps",
     "checkpoint_every_minutes",

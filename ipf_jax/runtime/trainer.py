@@ -16,6 +16,7 @@ from ipf_jax.config import builder as build_lib
 from ipf_jax.config import validation
 from ipf_jax.data import create_dataset
 from ipf_jax.reporting import summary
+from ipf_jax.reporting import trackers as trackers_lib
 from ipf_jax.runtime import checkpoint as checkpoint_lib
 from ipf_jax.runtime import compatibility, loop, preemption, run_eval
 from ipf_jax.runtime.logs import keep_log, setup_logging
@@ -324,6 +325,21 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
       ckpt.abandon()  # after an error: orbax's threads released
 
 
+def _track_files(workdir: str, writer) -> None:
+  """The run's files to the trackers that keep artifacts (none with TensorBoard alone): the fused model, the
+  results and the report's pictures (drawn here for them)."""
+  if not writer.sinks:
+    return
+  from ipf_jax.reporting import report
+
+  try:
+    pictures = report.write_report(workdir)
+  except FileNotFoundError:  # trackers without tensorboard: no event files to draw from
+    pictures = []
+  names = ("eval_results.json", "config.json", "fused_model.msgpack", "fused_model.json")
+  writer.artifacts([os.path.join(workdir, n) for n in names] + list(pictures))
+
+
 def _refuse_to_overwrite(workdir: str) -> None:
   """``checkpoint_every_steps=-1`` cannot resume: it must not start over in a workdir that holds a run."""
   held = [name for name in ("checkpoints", "eval_results.json") if os.path.exists(os.path.join(workdir, name))]
@@ -352,7 +368,10 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
     )
     log.info(message)
     raise RunStopped(message, early.exit_code)
-  writer = summary.SummaryWriter(run.workdir)
+  writer = summary.SummaryWriter(
+    run.workdir, trackers=trackers_lib.parse(run.config.trackers), config=run.config.to_dict()
+  )
+  finished = False
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
   try:
     training = loop.Training(run, control, ckpt, writer, state, newest, interrupted, step_hook)
@@ -380,7 +399,10 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
       raise RunStopped(message, stop.exit_code)
     # ---- final evaluation and export (the last checkpoint is committed) -----------------------
     try:
-      return run.evaluations.finish(state, writer, interrupted=interrupted)
+      results = run.evaluations.finish(state, writer, interrupted=interrupted)
+      finished = True
+      _track_files(run.workdir, writer)
+      return results
     except InterruptedError:
       stop = control.signal_stop()
       what = (
@@ -392,4 +414,4 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
       log.info(message)
       raise RunStopped(message, stop.exit_code)
   finally:
-    writer.close()
+    writer.close(finished)
