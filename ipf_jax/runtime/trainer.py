@@ -325,6 +325,18 @@ def _train(run: _Run, control: preemption.StopControl, step_hook) -> dict:
       ckpt.abandon()  # after an error: orbax's threads released
 
 
+def _stop_if_signalled_in_setup(control: preemption.StopControl, start: int, newest) -> None:
+  """A signal during setup: nothing trained, nothing new to save. With several processes JAX's preemption
+  sync point decides at the first step instead, so that every process stops at the same one."""
+  early = control.signal_stop() if jax.process_count() == 1 else None
+  if early is not None:
+    message = f"stopped by {early.reason} before training step {start + 1}; nothing new to save" + (
+      f" (newest checkpoint: step {newest})" if newest is not None else ""
+    )
+    log.info(message)
+    raise RunStopped(message, early.exit_code)
+
+
 def _track_files(workdir: str, writer) -> None:
   """The run's files to the trackers that keep artifacts (none with TensorBoard alone): the fused model, the
   results and the report's pictures (drawn here for them)."""
@@ -359,15 +371,7 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
     state = run.parts.init_state()
   start = int(state.step)
   newest = start if ckpt is not None and ckpt.latest_step() == start else None
-  # A signal during setup: nothing trained, nothing new to save. With several processes JAX's preemption
-  # sync point decides at the first step instead, so that every process stops at the same one.
-  early = control.signal_stop() if jax.process_count() == 1 else None
-  if early is not None:
-    message = f"stopped by {early.reason} before training step {start + 1}; nothing new to save" + (
-      f" (newest checkpoint: step {newest})" if newest is not None else ""
-    )
-    log.info(message)
-    raise RunStopped(message, early.exit_code)
+  _stop_if_signalled_in_setup(control, start, newest)
   writer = summary.SummaryWriter(
     run.workdir, trackers=trackers_lib.parse(run.config.trackers), config=run.config.to_dict()
   )
