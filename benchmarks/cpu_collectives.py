@@ -1,4 +1,4 @@
-"""Does XLA:CPU finish many collective programs in flight on fake CPU devices (README Limits)?
+"""Does XLA:CPU finish many collective programs in flight on fake CPU devices (docs/RUNNING.md "Known limits")?
 
   python -m benchmarks.cpu_collectives                  # 2,000 async psum programs on 8 devices, 3 tries
 

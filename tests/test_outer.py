@@ -176,6 +176,7 @@ def test_a_killed_outer_loop_run_resumes_bit_for_bit(tmp_path):
     (dict(sync="often"), "sync"),
     (dict(sync="qsr", mode="ensemble"), "sync"),
     (dict(sync="swap", mode="ddp", num_particles=1), "sync"),
+    (dict(sync="every", mode="ddp", num_particles=1), "outer_lr"),  # outer_lr 1, no momentum, pull 1: plain DDP
     (dict(sync="every", sync_every=0), "sync_every"),
     (dict(sync="every", sync_pull=1.5), "sync_pull"),
     (dict(sync="every", shared_params="^Conv_0/"), "shared_params"),

@@ -22,7 +22,7 @@ def smoothed_cross_entropy(logits, labels, smoothing, num_classes=10):
 def test_each_particle_trains_with_its_own_label_smoothing(dp, dd):
   """One step: particle i's loss is the cross-entropy with smoothing 0.05 + 0.3 i / 3 of the plain model's
   logits (its own parameters) on its own batch (BatchNorm over the particle's whole batch, as SyncBN)."""
-  config = helpers.tiny_config(num_particles=4, label_smoothing=0.05, label_smoothing_spread=0.3)
+  config = helpers.tiny_config(num_particles=4, label_smoothing=0.05, label_smoothing_spread=0.3, temperature=0.0)
   s = helpers.Setup(config, dp, dd)
   ((images, labels),) = helpers.particle_batches(4, 1)
   start = s.host_state()
@@ -36,7 +36,7 @@ def test_each_particle_trains_with_its_own_label_smoothing(dp, dd):
 
 def test_mixup_spread_leaves_slot_zero_unmixed_and_mixes_the_others():
   """mixup 0 with a spread: slot 0 does not mix (its loss is the plain cross-entropy), every other slot's is not."""
-  config = helpers.tiny_config(num_particles=4, mixup_spread=0.4)
+  config = helpers.tiny_config(num_particles=4, mixup_spread=0.4, weigh_on="common")
   s = helpers.Setup(config, 4, 1)
   ((images, labels),) = helpers.particle_batches(4, 1)
   start = s.host_state()
@@ -57,6 +57,9 @@ def test_mixup_spread_leaves_slot_zero_unmixed_and_mixes_the_others():
     (dict(label_smoothing=0.5, label_smoothing_spread=0.5), "label_smoothing_spread"),
     (dict(mixup_spread=-0.1), "mixup_spread"),
     (dict(elastic_pull=0.1, elastic_pull_every=0), "elastic_pull_every"),
+    # the per-step filter weighing each particle on its own regularised loss: the strongest always lose
+    (dict(label_smoothing_spread=0.2, temperature=10.0, weigh_on="own"), "label_smoothing_spread"),
+    (dict(mixup_spread=0.2, temperature=10.0, weigh_on="own"), "mixup_spread"),
   ],
 )
 def test_per_particle_config_errors_name_the_field(overrides, field):

@@ -293,3 +293,24 @@ def test_the_user_documents_stay_short_and_speak_to_users():
   for doc in USER_DOCS[1:] + ("docs/CONFIG.md", "docs/benchmarks/HISTORY.md", "LICENSE", "CITATION.cff"):
     assert os.path.isfile(os.path.join(helpers.ROOT, doc)), doc
     assert doc.split("/")[-1] in readme or doc == "docs/benchmarks/HISTORY.md", f"the README links {doc}"
+
+
+def test_references_to_the_user_documents_name_their_sections():
+  """``README "Name"`` / ``README, "Name"`` and ``RUNNING.md "Name"`` in the code, configs, benchmarks and docs
+  name a heading those documents have (the README was rewritten once: a stale hint sends users nowhere)."""
+  pattern = re.compile(r'\b(README|RUNNING\.md)(?:\.md)?`?,?\s*"([^"\n]+)"')
+  heads = {
+    name: {re.split(r":|;| \(", h)[0].strip() for h in re.findall(r"^#{2,4} (.*)$", open(path).read(), re.M)}
+    for name, path in (("README", README), ("RUNNING.md", os.path.join(helpers.ROOT, "docs", "RUNNING.md")))
+  }
+  found, missing = 0, []
+  for top in ("ipf_jax", "configs", "benchmarks", "examples", "docs", "CONTRIBUTING.md", "train.py"):
+    path = os.path.join(helpers.ROOT, top)
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for f in paths:
+      if f.endswith((".py", ".md")) and not f.endswith("HISTORY.md"):  # the history quotes the README as it was
+        for m in pattern.finditer(open(f, encoding="utf-8").read()):
+          found += 1
+          if m.group(2) not in heads[m.group(1)]:
+            missing.append((os.path.relpath(f, helpers.ROOT), m.group(1), m.group(2)))
+  assert found >= 5 and not missing, (found, missing)

@@ -68,7 +68,6 @@ def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
     num_classes=num_classes,
     label_smoothing_spread=config.label_smoothing_spread,
     mixup_spread=config.mixup_spread,
-    num_particles=config.num_particles,
   )
 
 

@@ -210,8 +210,9 @@ def _devices(config: ml_collections.ConfigDict) -> None:
   config.num_devices = 0               # devices to use (0 = all)
   config.particle_axis_size = 0        # Dp, size of the "particle" mesh axis (0 = gcd(P, devices))
   config.fsdp = False                  # shard each particle's parameters and optimizer state over the Dd devices
-                                       # of its group, gathered for the forward pass (docs/RUNNING.md
-                                       # "Devices"); sgd, adamw, lion; not with float16 or compress_correction
+                                       # of its group, gathered for the forward pass (docs/RUNNING.md "Devices,
+                                       # batch and learning rate"); sgd, adamw, lion; not with float16 or
+                                       # compress_correction
   config.fsdp_min_size_mb = 1.0        # fsdp: leaves of at least this many MiB per particle are sharded, along
                                        # their largest dimension that Dd divides; smaller ones stay whole
                                        # (big_vision's min_size_to_shard_mb, whose 4 would leave ViT-B's 2.25 MiB

@@ -58,7 +58,13 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
     "sync",
     f"={config.sync!r} is the outer loop of a population in mode='ipf' (or, every/qsr, of one DDP model with "
     f"an outer optimizer); this run has mode={config.mode!r} with num_particles={config.num_particles}. Set "
-    "mode='ipf' and num_particles > 1, or sync='step'",
+    "mode='ipf' and num_particles > 1, mode='ddp' for one model with an outer optimizer, or sync='step'",
+  )
+  _check(
+    config.mode != "ddp" or config.outer_lr != 1.0 or config.outer_momentum > 0 or config.sync_pull < 1,
+    "outer_lr",
+    f"mode='ddp' with sync={config.sync!r}, outer_lr=1, outer_momentum=0 and sync_pull=1 is plain DDP (the anchor "
+    "is the model): set outer_lr < 1 (Lookahead: 0.5) or outer_momentum > 0, or sync='step'",
   )
   for field, value, why in (
     ("elastic_pull", config.elastic_pull, "the outer loop pulls at syncs by sync_pull"),

@@ -308,6 +308,15 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
     f"with label_smoothing={config.label_smoothing}",
   )
   _check(config.mixup_spread >= 0, "mixup_spread", f"must be >= 0 (0 = off), got {config.mixup_spread}")
+  spread = "label_smoothing_spread" if config.label_smoothing_spread else "mixup_spread" if config.mixup_spread else ""
+  _check(
+    not spread or config.mode != "ipf" or config.sync != "step" or config.weigh_on != "own" or config.temperature == 0,
+    spread,
+    "with the per-step filter weighing each particle on its own batch (sync='step', weigh_on='own', "
+    f"temperature={config.temperature}) the weights come from each particle's regularised loss, and the most "
+    "regularised always lose; use weigh_on='common' (the plain loss on the same examples), sync='qsr' (weighed at "
+    "syncs on the plain loss) or temperature=0",
+  )
   _check(
     isinstance(config.randaugment_layers, int) and config.randaugment_layers >= 0,
     "randaugment_layers",

@@ -25,7 +25,7 @@ def collapse_line(results: dict) -> str:
     f"the population has collapsed into copies: its members disagree on {100 * disagreement:.2f}% of the test "
     f"examples, the ensemble errs on {100 * (1 - accuracy):.2f}%, so the ensemble is one model and its "
     "uncertainty one model's. To keep members apart: sync='qsr' (the outer loop; the last local phase is never "
-    "averaged away), a lower temperature, islands or init='independent' (README, \"The outer loop\")"
+    "averaged away), a lower temperature, islands or init='independent' (README, \"The fields that matter\")"
   )
 
 

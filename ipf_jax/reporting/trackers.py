@@ -17,6 +17,9 @@ import sys
 import time
 
 IDS_FILE = "trackers.json"
+# MLflow's own defaults (7 retries with backoff, 120 s a request) would hold a step for minutes when its server is
+# gone; a user's MLFLOW_HTTP_REQUEST_* settings win.
+BOUNDED = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 def parse(trackers: str) -> tuple[str, ...]:
@@ -75,7 +78,12 @@ class MlflowSink(Sink):
     super().__init__()
     from mlflow.tracking import MlflowClient
 
+    for name, value in BOUNDED.items():  # a dead server stalls a step at most this long, then the sink stops
+      os.environ.setdefault(name, value)
     self.client, self.run_id = MlflowClient(), _ids(workdir).get("mlflow")
+    if self.run_id is not None and not self._exists(self.run_id):
+      print(f"warning: mlflow run {self.run_id} (trackers.json) is not on this server; a new run", file=sys.stderr)
+      self.run_id = None
     if self.run_id is None:
       experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "ipf-jax")
       found = self.client.get_experiment_by_name(experiment)
@@ -85,6 +93,13 @@ class MlflowSink(Sink):
       self.guard(self._params, flatten(config))
     else:
       self.guard(self.client.update_run, self.run_id, "RUNNING")
+
+  def _exists(self, run_id: str) -> bool:
+    try:
+      self.client.get_run(run_id)
+      return True
+    except Exception:  # noqa: BLE001 - MlflowException (not found) or the server's own error
+      return False
 
   def _params(self, params: dict) -> None:
     from mlflow.entities import Param

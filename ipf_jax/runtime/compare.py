@@ -6,7 +6,7 @@
 
 Each mode trains in its own sub-folder of --workdir (``ddp``, ``ensemble``, ``ipf``, ``ipf_qsr``) with the
 same config, global batch and steps: ``ddp`` with one model, the others with ``num_particles``. ``MODE:SYNC``
-also sets ``sync`` (the outer loop, README "The outer loop"); without it ``ddp`` and ``ensemble`` train with
+also sets ``sync`` (the outer loop, README "The fields that matter"); without it ``ddp`` and ``ensemble`` train with
 ``sync=step`` and ``ipf`` with the config's. A run is resumable: rerun the same command and each mode goes on
 from its newest checkpoint; a finished mode is only evaluated. The config's ``--config.FIELD=VALUE`` overrides
 apply to every mode. Then it prints one table (accuracy of the ensemble and of one model, NLL, ECE, the shifted
@@ -74,6 +74,10 @@ def mode_config(config, mode: str, sync: str | None):
   if mode == "ddp":
     c.num_particles = 1
   c.sync = sync or (config.sync if mode == "ipf" else "step")
+  if mode == "ddp":  # the population's own fields do not apply to one model
+    c.islands, c.particle_axis_size = 1, 0
+  if "tensorboard" not in c.trackers.split(","):  # the picture's curves are read from the event files
+    c.trackers = "tensorboard," + c.trackers
   if not c.eval_every_steps and c.num_train_steps > 0:
     c.eval_every_steps = max(1, c.num_train_steps // CURVE_POINTS)  # the picture's curve
   return c
@@ -83,7 +87,7 @@ def summary_row(name: str, config, results: dict) -> dict:
   """The table's numbers for one mode: the ensemble's and one model's (DDP: its model; an ensemble of
   independent inits: its members' mean, as its fused model means nothing; ipf: the fused model)."""
   ens = results["ensemble"]
-  if config.mode == "ipf" and "fused" in results:
+  if (config.mode == "ipf" or config.sync != "step") and "fused" in results:  # the outer loop's: the anchor
     one, what = float(results["fused"]["accuracy"]), "fused"
   else:
     one, what = float(np.mean(results["particles"]["accuracy"])), "member" if config.num_particles > 1 else "model"
@@ -131,7 +135,7 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def plot(runs: list[tuple[str, str, dict]], path: str) -> None:
+def plot(runs: list[tuple[str, str, dict, bool]], path: str) -> None:
   """Test accuracy against steps (the ensemble solid, one model dashed) and each mode's ensemble reliability."""
   import matplotlib
 
@@ -139,12 +143,12 @@ def plot(runs: list[tuple[str, str, dict]], path: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, (curve, rel) = plt.subplots(1, 2, figsize=(11, 4.2))
-  for k, (name, workdir, results) in enumerate(runs):
+  for k, (name, workdir, results, fused) in enumerate(runs):
     scalars = report.read_scalars(workdir)
     for tag, style in (("eval/ensemble/accuracy", "-"), ("eval/fused/accuracy", "--")):
-      if tag in scalars and (style == "-" or name.startswith("ipf")):
+      if tag in scalars and (style == "-" or fused):
         steps, values = scalars[tag]
-        what = "" if len(results["weights"]) == 1 else " ensemble" if style == "-" else " fused"
+        what = " fused" if style == "--" else "" if len(results["weights"]) == 1 else " ensemble"
         curve.plot(steps, 100 * np.asarray(values), style, color=f"C{k}", marker=".", label=name + what)
     r = np.asarray(results["ensemble"]["reliability"])  # [bins, 3]: count, mean confidence, accuracy
     filled = r[:, 0] > 0
@@ -183,7 +187,7 @@ def compare(config, workdir: str, modes: list[tuple[str, str | None]], dry_run: 
     print(f"== {name} ({k + 1}/{len(configs)}): {c.num_particles} model(s), {sub}", flush=True)
     start = time.perf_counter()
     results = trainer.train_and_evaluate(c, sub)
-    runs.append((name, sub, results))
+    runs.append((name, sub, results, c.mode == "ipf" or c.sync != "step"))
     rows.append(dict(summary_row(name, c, results), seconds=round(time.perf_counter() - start, 1)))
   table = format_table(rows)
   if jax.process_index() == 0:

@@ -346,7 +346,8 @@ def _track_files(workdir: str, writer) -> None:
 
   try:
     pictures = report.write_report(workdir)
-  except FileNotFoundError:  # trackers without tensorboard: no event files to draw from
+  except Exception as e:  # noqa: BLE001 - pictures for a tracker never fail a finished run
+    log.info("no report pictures for the trackers (%s)", e)
     pictures = []
   names = ("eval_results.json", "config.json", "fused_model.msgpack", "fused_model.json")
   writer.artifacts([os.path.join(workdir, n) for n in names] + list(pictures))

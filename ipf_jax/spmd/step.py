@@ -78,9 +78,12 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
   sharded = fsdp.is_sharded(dims)
 
   def loss_fn(params, shared, batch_stats, batch, keys):
-    model_key, augment_key, slot = keys
+    model_key, augment_key, position = keys
     if task.augment is not None:  # mixup: the particle's examples and targets, mixed; per slot: its own strength
-      batch = task.augment(batch, augment_key, slot) if task.augment_takes_slot else task.augment(batch, augment_key)
+      if task.augment_takes_position:
+        batch = task.augment(batch, augment_key, position)
+      else:
+        batch = task.augment(batch, augment_key)
     outputs, new_stats = apply_particle(task, spec, params, shared, batch_stats, batch, model_key, dims)
     return lax.pmean(task.loss(outputs, batch).mean(), DATA), new_stats
 
@@ -96,7 +99,7 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
     keys = (
       particle_keys(micro_key(Stream.MODEL), num_local) if task.rngs else None,
       slot_keys(micro_key(Stream.AUGMENT), num_local) if task.augment is not None else None,
-      lax.axis_index(PARTICLE) * num_local + jnp.arange(num_local) if task.augment_takes_slot else None,
+      positions(spec.num_particles, num_local) if task.augment_takes_position else None,
     )
     (loss, batch_stats), (grads, shared_grads), proposed = run(state.params, shared, batch_stats, micro_batch, keys)
     return loss, batch_stats, grads, shared_grads, proposed
@@ -119,6 +122,12 @@ def gradients(task: Task, spec: ParticleSpec, state: ParticleState, batch: dict,
     alive &= jnp.isfinite(score)
   grads, shared_grads = jax.tree.map(lambda g: jnp.where(per_particle(alive, g), g, 0), (grads, shared_grads))
   return Gradients(loss, grads, shared_grads, batch_stats, alive, scaling.vote(proposed, loss, alive), score)
+
+
+def positions(num_particles: int, num_local: int) -> jax.Array:
+  """``[L]``: each local particle's place in the population, ``slot / (P - 1)`` in ``[0, 1]`` (0 with one)."""
+  slots = lax.axis_index(PARTICLE) * num_local + jnp.arange(num_local)
+  return slots.astype(jnp.float32) / max(num_particles - 1, 1)
 
 
 def apply_particle(task: Task, spec: ParticleSpec, params, shared, batch_stats, batch: dict, key, dims=None):

@@ -64,10 +64,10 @@ class Task:
     augment: ``(batch, key) -> batch``, a train-time transform of one particle's shard of the batch inside
       the train step, before the model and the loss (``mix``: mixup), with a key per particle and step; or
       ``None``. It may use collectives over ``"data"`` (the particle's other shards).
-    augment_takes_slot: ``augment`` is ``(batch, key, slot) -> batch``, ``slot`` the particle's index in the
-      population (``0 .. P - 1``, an int32 scalar): per-particle regularisation (PAPA), e.g.
-      ``classification(label_smoothing_spread=...)``. A slot keeps its strength when resampling copies another
-      particle into it.
+    augment_takes_position: ``augment`` is ``(batch, key, position) -> batch``, ``position`` the particle's
+      place in the population, ``slot / (P - 1)`` in ``[0, 1]`` (a float32 scalar): per-particle regularisation
+      (PAPA), e.g. ``classification(label_smoothing_spread=...)``. A slot keeps its strength when resampling
+      copies another particle into it.
   """
 
   model: Any  # nn.Module, or nnx_bridge.NNXModel (made from an NNX module in __post_init__)
@@ -81,7 +81,7 @@ class Task:
   diversity: Optional[Callable] = None
   finalize_diversity: Optional[Callable[[dict], dict]] = None
   augment: Optional[Callable[..., dict]] = None
-  augment_takes_slot: bool = False
+  augment_takes_position: bool = False
   blocks: Optional[str] = None
 
   def __post_init__(self):
@@ -132,12 +132,11 @@ def classification(
   num_classes: Optional[int] = None,
   label_smoothing_spread: float = 0.0,
   mixup_spread: float = 0.0,
-  num_particles: int = 1,
 ) -> Task:
   """Softmax cross-entropy on integer labels ``[b]`` or soft targets ``[b, C]`` (class probabilities;
   ``label_smoothing`` optional on either); ``mixup > 0``: big_vision's mixup in the train step (``mix``,
   needs ``num_classes``). ``label_smoothing_spread`` or ``mixup_spread`` > 0: per-particle strengths (PAPA,
-  ``per_slot``): slot ``i`` of ``num_particles`` trains with ``label_smoothing + spread * i / (P - 1)`` and
+  ``per_slot``): slot ``i`` of ``P`` trains with ``label_smoothing + spread * i / (P - 1)`` and
   mixup ``mixup + spread * i / (P - 1)``; the loss on other batches (weighing on common examples, syncs) is the
   plain cross-entropy. The ensembles average class probabilities; scored (integer labels) by accuracy,
   NLL, ECE, Brier, selective prediction and tempered NLL / ECE / Brier (``metrics.classification_sums``);
@@ -147,8 +146,7 @@ def classification(
   spread = label_smoothing_spread or mixup_spread
   augment = mix(mixup, num_classes, inputs, label) if mixup else None
   if spread:
-    augment = per_slot(label_smoothing, label_smoothing_spread, mixup, mixup_spread, num_particles, num_classes,
-                       inputs, label)  # fmt: skip
+    augment = per_slot(label_smoothing, label_smoothing_spread, mixup, mixup_spread, num_classes, inputs, label)
     label_smoothing = 0.0  # applied to the particle's targets in the step; other batches score plain
 
   def loss(logits, batch):
@@ -171,7 +169,7 @@ def classification(
     diversity=metrics_lib.diversity_sums,
     finalize_diversity=metrics_lib.finalize_diversity,
     augment=augment,
-    augment_takes_slot=bool(spread),
+    augment_takes_position=bool(spread),
     columns=(
       ("accuracy", "accuracy", "{:.2%}"),
       ("NLL", "nll", "{:.4f}"),
@@ -182,15 +180,14 @@ def classification(
 
 
 def per_slot(
-  smoothing: float, smoothing_spread: float, mixup: float, mixup_spread: float, num_particles: int, num_classes: int,
+  smoothing: float, smoothing_spread: float, mixup: float, mixup_spread: float, num_classes: int,
   inputs: str = "image", label: str = "label",
 ) -> Callable:  # fmt: skip
-  """PAPA's per-member regularisation as a slot-aware ``Task.augment``: slot ``i`` of ``P`` mixes its batch with
-  concentration ``mixup + mixup_spread * f`` (none at 0) and smooths its targets by ``smoothing +
-  smoothing_spread * f``, ``f = i / (P - 1)``; the targets leave soft ``[b, C]``."""
+  """PAPA's per-member regularisation as a position-aware ``Task.augment``: the particle at position ``f`` (slot
+  ``i`` of ``P``: ``i / (P - 1)``) mixes its batch with concentration ``mixup + mixup_spread * f`` (none at 0)
+  and smooths its targets by ``smoothing + smoothing_spread * f``; the targets leave soft ``[b, C]``."""
 
-  def augment(batch: dict, key: jax.Array, slot: jax.Array) -> dict:
-    f = slot.astype(jnp.float32) / max(num_particles - 1, 1)
+  def augment(batch: dict, key: jax.Array, f: jax.Array) -> dict:
     if mixup or mixup_spread:
       mixed = mix(jnp.maximum(mixup + mixup_spread * f, 1e-3), num_classes, inputs, label)(batch, key)
       y = batch[label]
