@@ -60,9 +60,10 @@ def test_mixup_spread_leaves_slot_zero_unmixed_and_mixes_the_others():
     # the per-step filter weighing each particle on its own regularised loss: the strongest always lose
     (dict(label_smoothing_spread=0.2, temperature=10.0, weigh_on="own"), "label_smoothing_spread"),
     (dict(mixup_spread=0.2, temperature=10.0, weigh_on="own"), "mixup_spread"),
+    (dict(mode="ddp", num_particles=1, label_smoothing_spread=0.2), "label_smoothing_spread"),
   ],
 )
 def test_per_particle_config_errors_name_the_field(overrides, field):
   with pytest.raises(validation.ConfigError) as e:
-    validation.validate(helpers.tiny_config(num_particles=4, **overrides), 8)
+    validation.validate(helpers.tiny_config(**{"num_particles": 4, **overrides}), 8)
   assert e.value.field == field

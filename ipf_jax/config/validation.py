@@ -310,6 +310,11 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   _check(config.mixup_spread >= 0, "mixup_spread", f"must be >= 0 (0 = off), got {config.mixup_spread}")
   spread = "label_smoothing_spread" if config.label_smoothing_spread else "mixup_spread" if config.mixup_spread else ""
   _check(
+    not spread or config.num_particles > 1,
+    spread,
+    "spreads strengths over the particles; with num_particles=1 there is one: set label_smoothing or mixup instead",
+  )
+  _check(
     not spread or config.mode != "ipf" or config.sync != "step" or config.weigh_on != "own" or config.temperature == 0,
     spread,
     "with the per-step filter weighing each particle on its own batch (sync='step', weigh_on='own', "
