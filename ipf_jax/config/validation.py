@@ -141,6 +141,31 @@ def _check_choice(config, field, choices):
   _check(value in choices, field, f"unknown value {value!r}; use one of {', '.join(choices)}")
 
 
+def _validate_papa(config: ml_collections.ConfigDict) -> None:
+  """Per-particle regularisation (PAPA): the spreads' ranges, and where they can work."""
+  _check(
+    config.label_smoothing_spread >= 0 and config.label_smoothing + config.label_smoothing_spread < 1,
+    "label_smoothing_spread",
+    f"must be >= 0 with label_smoothing + it < 1 (the last particle's smoothing), got {config.label_smoothing_spread} "
+    f"with label_smoothing={config.label_smoothing}",
+  )
+  _check(config.mixup_spread >= 0, "mixup_spread", f"must be >= 0 (0 = off), got {config.mixup_spread}")
+  spread = "label_smoothing_spread" if config.label_smoothing_spread else "mixup_spread" if config.mixup_spread else ""
+  _check(
+    not spread or config.num_particles > 1,
+    spread,
+    "spreads strengths over the particles; with num_particles=1 there is one: set label_smoothing or mixup instead",
+  )
+  _check(
+    not spread or config.mode != "ipf" or config.sync != "step" or config.weigh_on != "own" or config.temperature == 0,
+    spread,
+    "with the per-step filter weighing each particle on its own batch (sync='step', weigh_on='own', "
+    f"temperature={config.temperature}) the weights come from each particle's regularised loss, and the most "
+    "regularised always lose; use weigh_on='common' (the plain loss on the same examples), sync='qsr' (weighed at "
+    "syncs on the plain loss) or temperature=0",
+  )
+
+
 def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple[int, int]:
   """Checks ``config`` against itself and the ``available_devices``: its numbers, then the algorithm's
   fields, the model's and optimizer's, the run's (steps, checkpoints, data), and last the mesh and batch.
@@ -155,6 +180,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   sync.validate_sync(config)
   _check_trackers(config)
   _validate_model(config)
+  _validate_papa(config)
   _validate_run(config)
   _validate_fsdp(config)
   return _validate_mesh(config, available_devices)
@@ -301,27 +327,6 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   )
   _check(0 <= config.bn_momentum < 1, "bn_momentum", f"must be in [0, 1), got {config.bn_momentum}")
   _check(0 <= config.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {config.label_smoothing}")
-  _check(
-    config.label_smoothing_spread >= 0 and config.label_smoothing + config.label_smoothing_spread < 1,
-    "label_smoothing_spread",
-    f"must be >= 0 with label_smoothing + it < 1 (the last particle's smoothing), got {config.label_smoothing_spread} "
-    f"with label_smoothing={config.label_smoothing}",
-  )
-  _check(config.mixup_spread >= 0, "mixup_spread", f"must be >= 0 (0 = off), got {config.mixup_spread}")
-  spread = "label_smoothing_spread" if config.label_smoothing_spread else "mixup_spread" if config.mixup_spread else ""
-  _check(
-    not spread or config.num_particles > 1,
-    spread,
-    "spreads strengths over the particles; with num_particles=1 there is one: set label_smoothing or mixup instead",
-  )
-  _check(
-    not spread or config.mode != "ipf" or config.sync != "step" or config.weigh_on != "own" or config.temperature == 0,
-    spread,
-    "with the per-step filter weighing each particle on its own batch (sync='step', weigh_on='own', "
-    f"temperature={config.temperature}) the weights come from each particle's regularised loss, and the most "
-    "regularised always lose; use weigh_on='common' (the plain loss on the same examples), sync='qsr' (weighed at "
-    "syncs on the plain loss) or temperature=0",
-  )
   _check(
     isinstance(config.randaugment_layers, int) and config.randaugment_layers >= 0,
     "randaugment_layers",
