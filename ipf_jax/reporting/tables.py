@@ -15,6 +15,12 @@ from ipf_jax.evaluation.results import ROWS
 COLLAPSE_RATIO = 0.1
 
 
+def aligned(rows: list) -> list[str]:
+  """Rows of cells as text lines: the first column left-aligned, the others right-aligned, two spaces apart."""
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  return ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+
+
 def collapse_line(results: dict) -> str:
   """One line when the population has collapsed into copies (``COLLAPSE_RATIO``), else ``""``."""
   disagreement = results.get("diversity", {}).get("disagreement")
@@ -72,8 +78,7 @@ def format_extras(results: dict, columns: tuple) -> str:
     rows = [("shift (mean over severities)",) + tuple(heading for heading, _, _ in cells)]
     for name, rs in families.items():
       rows.append((name,) + tuple(fmt.format(np.mean([get(r) for r in rs])) for _, get, fmt in cells))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines += aligned(rows)
   ood = results.get("ood_sets") or ({results.get("ood_dataset", "OOD set"): results["ood"]} if "ood" in results else {})
   for name, by_row in ood.items():
     for key, a in by_row.items():
@@ -95,8 +100,7 @@ def format_table(results: dict, columns: tuple, shared_init: bool = True) -> str
   for name, key in ROWS:
     if key in results:
       rows.append((name, "") + tuple(fmt.format(results[key][k]) for _, k, fmt in columns))
-  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-  lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+  lines = aligned(rows)
   lines.insert(1, "-" * len(lines[0]))
   if not shared_init:
     lines.append("(independent inits: the fused model averages unrelated networks and is not meaningful)")

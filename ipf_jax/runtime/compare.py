@@ -36,7 +36,7 @@ from ml_collections import config_flags
 
 from ipf_jax import files
 from ipf_jax.config import validation
-from ipf_jax.reporting import report
+from ipf_jax.reporting import report, tables
 from ipf_jax.runtime import cli, preemption, trainer
 
 FLAGS = flags.FLAGS
@@ -127,10 +127,7 @@ def format_table(rows: list[dict]) -> str:
   shown = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in rows)]
   cells = [[title for title, _, _ in shown]]
   cells += [[fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in shown] for r in rows]
-  widths = [max(len(line[j]) for line in cells) for j in range(len(shown))]
-  lines = [
-    "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))) for line in cells
-  ]
+  lines = tables.aligned(cells)
   lines.insert(1, "-" * len(lines[0]))
   return "\n".join(lines)
 
