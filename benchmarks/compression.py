@@ -51,6 +51,19 @@ COLLECTIVE = re.compile(
 SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
+def group_size(line: str) -> int:
+  """The devices in each group of an HLO collective: listed ids (``replica_groups={{0,1},{2,3}}``, jax 0.10's
+  XLA) or mesh axes (``replica_groups=mesh['particle'=4,'data'=2] {'data'}``, jax 0.12's); else every device."""
+  listed = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+  if listed:
+    return len(listed.group(1).split(","))
+  over = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if over:
+    sizes = dict((k, int(v)) for k, v in re.findall(r"'([^']*)'=(\d+)", over.group(1)))
+    return int(np.prod([sizes[a] for a in re.findall(r"'([^']*)'", over.group(2))] or [1]))
+  return jax.device_count()
+
+
 def collective_bytes(hlo: str) -> dict:
   """Bytes sent per device by each kind of collective in an HLO module (ring/all-to-all model)."""
   out = {}
@@ -62,8 +75,7 @@ def collective_bytes(hlo: str) -> dict:
     size = sum(
       DTYPE_BYTES[d] * int(np.prod([int(x) for x in dims.split(",") if x] or [1])) for d, dims in SHAPE.findall(result)
     )
-    groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-    n = len(groups.group(1).split(",")) if groups else jax.device_count()
+    n = group_size(line)
     # A ring all-reduce sends 2(n-1)/n of its buffer, all-gather/all-to-all (n-1)/n (a device's own block
     # stays), a reduce-scatter (n-1)/n of its input (n times the result that the HLO line shows), a
     # collective-permute all of it (source and target differ).

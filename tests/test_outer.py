@@ -108,11 +108,21 @@ COLLECTIVE = re.compile(r"= [^=]*\b(all-reduce|all-gather|all-to-all|collective-
 
 
 def collectives_across_particles(hlo: str, mesh) -> list[str]:
-  """The compiled program's collectives whose device groups are not each inside one particle's data group."""
+  """The compiled program's collectives whose device groups are not each inside one particle's data group.
+
+  Two forms of ``replica_groups`` are read: the listed device ids (jax 0.10's XLA) and the mesh axes
+  (``replica_groups=mesh['particle'=4,'data'=2] {'data'}``, jax 0.12's), which cross the particles iff
+  they name the particle axis."""
   groups = [set(int(d.id) for d in row) for row in np.asarray(mesh.devices).reshape(mesh.devices.shape[0], -1)]
   found = []
   for line in hlo.splitlines():
     if not COLLECTIVE.search(line):
+      continue
+    over_axes = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line)
+    if over_axes is not None:
+      axes = re.findall(r"'([^']*)'", over_axes.group(1))
+      if not axes or mesh.axis_names[0] in axes:
+        found.append(line.strip())
       continue
     listed = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
     if listed is None:
@@ -124,9 +134,6 @@ def collectives_across_particles(hlo: str, mesh) -> list[str]:
   return found
 
 
-# jax 0.12 (CI's second leg) leaves one psum_invariant across the particles in the local program, which jax 0.10
-# compiles away: found when leg 2 first ran this file, not yet traced (an invariant's transpose in the step).
-@pytest.mark.first_leg_only
 @pytest.mark.parametrize("dp,dd", [(8, 1), (4, 2)])
 def test_a_step_between_syncs_has_no_collective_over_particle(dp, dd):
   """The compiled local program has no collective across particles (its metrics leave sharded); the sync
