@@ -39,13 +39,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.common import Timed, config_for, image_shape, measure, memory_mib, print_summary, print_table  # noqa: E402
 from ipf_jax.data import digits as digits_data  # noqa: E402
-from ipf_jax.models import create_model  # noqa: E402
+from ipf_jax.config import read  # noqa: E402
 
 
 def handwritten_ddp(config, args):
   """Minimal data-parallel step: jit over a batch sharded on every device, params replicated."""
   mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
-  model = create_model(config, 10)
+  model = read.model(config, 10)
   tx = optax.sgd(0.01, momentum=0.9, nesterov=True)
   rep = NamedSharding(mesh, P())
   variables = jax.jit(

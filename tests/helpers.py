@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from ipf_jax.config import builder as build_lib
 from ipf_jax.config import defaults, validation
 from ipf_jax.data import digits
-from ipf_jax.models import create_model
+from ipf_jax.config import read
 
 PER_PARTICLE_BATCH = 8
 MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]  # (Dp, Dd) on the 8 fake devices
@@ -77,7 +77,7 @@ class Setup:
       self.parts.abstract_state,
     )
     self.model = self.task.model
-    self.plain_model = create_model(config, 10, bn_axis_name=None)
+    self.plain_model = read.model(config, 10, bn_axis_name=None)
     self.state = self.parts.init_state()
     # One collective program in flight at a time on fake CPU devices (see mesh.one_program_at_a_time).
     self.train_step = lambda state, batch: jax.block_until_ready(self.parts.train_step(state, batch))

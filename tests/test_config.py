@@ -108,12 +108,11 @@ def test_bad_config_names_field_and_fix(overrides, devices, field, hint):
 )
 def test_unknown_dataset_or_model_is_refused_where_it_is_built(field, value, hint):
   """The names are checked by the registries that build them (configuration imports neither)."""
-  from ipf_jax.data import create_dataset
-  from ipf_jax.models import create_model
+  from ipf_jax.config import read
 
   config = cfg(**{field: value})
   with pytest.raises(ConfigError) as e:
-    create_dataset(config) if field == "dataset" else create_model(config, 10)
+    read.dataset(config) if field == "dataset" else read.model(config, 10)
   assert e.value.field == field and hint in str(e.value)
 
 
@@ -133,11 +132,11 @@ def test_unknown_dataset_or_model_is_refused_where_it_is_built(field, value, hin
   ],
 )
 def test_one_global_batch_must_fit_in_the_training_set(overrides, field, hint):
-  from ipf_jax.data import create_dataset
+  from ipf_jax.config import read
 
   config = cfg(**overrides)
   with pytest.raises(ConfigError) as e:
-    validation.validate_data(config, create_dataset(config).train_size, 8)
+    validation.validate_data(config, read.dataset(config).train_size, 8)
   assert e.value.field == field and hint in str(e.value)
 
 
@@ -151,7 +150,7 @@ def test_every_shipped_config_is_valid_and_its_model_builds():
   import jax
   import jax.numpy as jnp
 
-  from ipf_jax import models
+  from ipf_jax.config import read
 
   folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
   names = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py")
@@ -163,7 +162,7 @@ def test_every_shipped_config_is_valid_and_its_model_builds():
     if config.model.startswith("vit"):
       classes, size = (1000, 224) if config.dataset == "imagenet2012" else (10, config.image_size)
       channels = 3 if config.dataset == "imagenet2012" else 1
-      model = models.create_model(config, classes)
+      model = read.model(config, classes)
       shapes = jax.eval_shape(lambda m=model: m.init(jax.random.PRNGKey(0), jnp.zeros((1, size, size, channels))))
       counts[name] = sum(x.size for x in jax.tree.leaves(shapes))
   assert counts == {"fashion_mnist_vit": 5_353_738, "imagenet_vit_s16": 21_974_632}, counts

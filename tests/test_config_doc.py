@@ -1,10 +1,14 @@
 """docs/CONFIG.md is the schema as text: regenerating it gives the file as committed, and it lists every field
 of ``defaults.get_config()`` once, with its default, under the section that sets it."""
 
+import json
 import os
 import re
 
+import pytest
+
 from ipf_jax.config import defaults, document
+from ipf_jax.runtime import compatibility
 from tests import helpers
 
 PATH = os.path.join(helpers.ROOT, "docs", "CONFIG.md")
@@ -18,12 +22,31 @@ def test_config_md_is_not_stale():
 
 def test_config_md_lists_every_field_once_with_its_default():
   config = defaults.get_config()
-  rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \| (.*) \|$", open(PATH, encoding="utf-8").read(), re.M)
-  names = [name for name, _, _ in rows]
+  rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \| (\w+) \| (.*) \|$", open(PATH, encoding="utf-8").read(), re.M)
+  names = [name for name, *_ in rows]
   assert sorted(names) == sorted(config.keys()), set(names) ^ set(config.keys())
-  for name, default, meaning in rows:
+  for name, default, _, meaning in rows:
     assert default.replace("\\|", "|") == repr(config[name]), name
     assert meaning.strip(), f"{name} has no meaning in defaults.py"
+
+
+def test_the_on_resume_column_is_what_a_resume_does():
+  """The schema's kinds (``defaults.HOW``, ``IDENTITY``) name real fields, and the resume checks do what the
+  column says: a changed *silent* field is not listed, a *refused* one stops the resume naming it, a *listed* one
+  is listed."""
+  config = defaults.get_config()
+  assert set(defaults.HOW) | set(defaults.IDENTITY) <= set(config.keys())
+  saved = json.loads(config.to_json())
+  rows = re.findall(r"^\| `(\w+)` \| `.*?` \| (\w+) \|", open(PATH, encoding="utf-8").read(), re.M)
+  for name, kind in rows:
+    changed = dict(saved, **{name: "another value"})
+    listed = compatibility.changed_fields(changed, config)
+    if kind == "refused":
+      with pytest.raises(compatibility.CheckpointError, match=f"config.{name}="):
+        compatibility.check_meaning(changed, config, "runs/x")
+    else:
+      compatibility.check_meaning(changed, config, "runs/x")
+    assert bool(listed) == (kind != "silent"), (name, kind, listed)
 
 
 def test_a_continued_comment_is_joined():

@@ -53,8 +53,8 @@ def test_build_applies_num_cpu_devices(tmp_path):
   r = _python(
     """
       config.num_cpu_devices, config.num_particles = 2, 2
-      from ipf_jax.models import create_model
-      parts = ipf_jax.build(config, ipf_jax.classification(create_model(config, 10)), data.example)
+      from ipf_jax.config import read
+      parts = ipf_jax.build(config, ipf_jax.classification(read.model(config, 10)), data.example)
       print("mesh", dict(parts.mesh.shape), "devices", jax.device_count())
       """,
     tmp_path,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ipf_jax.config import validation
+from ipf_jax.config import read, validation
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.spmd import optim
 from ipf_jax.spmd import step as step_lib
@@ -74,7 +74,7 @@ def test_step_with_ess_target_reweighs_with_the_adaptive_temperature(dp, dd):
 def test_jitter_scaled_by_the_learning_rate():
   config = helpers.tiny_config(jitter=0.01, jitter_lr=0.5, mode="ipf", num_particles=4)
   spec = validation.particle_spec(config)
-  lr_fn = optim.create_learning_rate_fn(config, 20, 2)
+  lr_fn = read.learning_rate_fn(config, 20, 2)
   for step in (0, 1, 10, 19):
     np.testing.assert_allclose(float(step_lib.jitter_sigma(spec, lr_fn, step)), 0.01 + 0.5 * float(lr_fn(step)))
   assert step_lib.jitter_sigma(dataclasses.replace(spec, jitter_lr=0.0), None, 3) == 0.01  # a float: static
@@ -98,7 +98,7 @@ def test_jitter_scaled_by_the_learning_rate():
 def test_seed_recipe_fields():
   assert optim.lr_scale("seed", 128, 256, devices=8, num_particles=8) == 8.0
   config = helpers.tiny_config(lr_scaling="seed", base_lr=0.1, num_particles=4, num_devices=2)
-  lr_fn = optim.create_learning_rate_fn(config, 20, 0)
+  lr_fn = read.learning_rate_fn(config, 20, 0)
   np.testing.assert_allclose(float(lr_fn(0)), 0.1 * np.sqrt(2 * 4), rtol=1e-6)
   validation.validate(helpers.tiny_config(forgetting=0.0, num_particles=8), 8)  # the seed's rule: allowed
   with pytest.raises(validation.ConfigError, match="config.ess_target: must be in"):

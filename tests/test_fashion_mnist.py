@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from ipf_jax.data import prepare, shifts, tfds_input
+from ipf_jax.config import read
+from ipf_jax.data import prepare, tfds_input
 from tests import helpers
 
 SOURCE = prepare.DEBIAN_SOURCE["fashion_mnist"]
@@ -142,7 +143,7 @@ def test_shifted_and_ood_sets_against_numpy(data_dir):
   config.data_dir, config.eval_shifts, config.shift_examples = data_dir, "contrast,translation", 64
   config.ood_dataset = "digits,photos"
   ds = tfds_input.TFDSDataset("fashion_mnist", data_dir, image_size=28, small_images=True)
-  sets = shifts.eval_sets(config, ds)
+  sets = read.eval_sets(config, ds)
   assert sorted(sets) == sorted(f"{c}_{s}" for c in ("contrast", "translation") for s in range(1, 6))
   test = tfds.as_numpy(ds.builder.as_dataset(split="test", batch_size=-1))
   x = test["image"][:64].astype(np.float64) / 255.0
@@ -161,9 +162,9 @@ def test_shifted_and_ood_sets_against_numpy(data_dir):
 
   blurred = np.clip(ndimage.gaussian_filter(x, sigma=(0, 2.625, 2.625, 0), mode="constant"), 0, 1)
   config.eval_shifts = "blur"
-  got = np.concatenate([b["image"] for b in shifts.eval_sets(config, ds)["blur_5"].eval_batches(64)])
+  got = np.concatenate([b["image"] for b in read.eval_sets(config, ds)["blur_5"].eval_batches(64)])
   np.testing.assert_allclose(got, (blurred * 255.0 - mean) / std, atol=2e-4)
-  ood = shifts.ood_sets(config, ds)
+  ood = read.ood_sets(config, ds)
   assert list(ood) == ["digits", "photos"] and ood["digits"].test_size == ood["photos"].test_size == 64
   digit = next(ood["digits"].eval_batches(64))["image"]
   assert digit.shape == (64, 28, 28, 1)
@@ -266,12 +267,12 @@ def test_each_process_reads_its_part_of_a_shifted_set(data_dir, monkeypatch):
   config = fashion_mnist.get_config()
   config.data_dir, config.eval_shifts, config.shift_examples = data_dir, "gaussian_noise", 41
   ds = tfds_input.TFDSDataset("fashion_mnist", data_dir, image_size=28, small_images=True)
-  whole = next(shifts.eval_sets(config, ds)["gaussian_noise_4"].eval_batches(100))
+  whole = next(read.eval_sets(config, ds)["gaussian_noise_4"].eval_batches(100))
   parts = []
   for pid in (0, 1):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda pid=pid: pid)
-    parts.append(next(shifts.eval_sets(config, ds)["gaussian_noise_4"].eval_batches(100)))
+    parts.append(next(read.eval_sets(config, ds)["gaussian_noise_4"].eval_batches(100)))
   assert [len(p["label"]) for p in parts] == [21, 20]
   for key in ("image", "label"):
     np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])

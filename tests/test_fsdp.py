@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ipf_jax
-from ipf_jax.config import validation
+from ipf_jax.config import read, validation
 from ipf_jax import models
 from ipf_jax.models import blocks, vit
 from ipf_jax.runtime import checkpoint as checkpoint_lib
@@ -261,7 +261,7 @@ def test_vit_b16_state_per_device_at_dd_8_is_an_eighth():
     "image": jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32),
     "label": jax.ShapeDtypeStruct((1,), jnp.int32),
   }
-  tx = ipf_jax.spmd.optim.create_optimizer(config, lambda step: 1e-3)
+  tx = read.optimizer(config, lambda step: 1e-3)
   sizes = {}
   for dd in (1, 8):
     mesh = ipf_jax.spmd.mesh.make_mesh(8, jax.devices()[:dd], 1)
@@ -309,7 +309,7 @@ def test_the_models_the_config_checks_for_remat_are_those_with_blocks():
   declared = set()
   for name in models.MODELS:
     config.model = name
-    if getattr(models.create_model(config, 10), "BLOCKS", ""):
+    if getattr(read.model(config, 10), "BLOCKS", ""):
       declared.add(name)
   assert declared == set(models.BLOCKED) and "cnn" not in declared
 

@@ -95,3 +95,40 @@ def test_no_function_is_longer_than_a_screen():
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
         long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
   assert not long, long
+
+
+def config_readers(path: str) -> list:
+  """Where a file imports ``ml_collections`` or has a function with a parameter named ``config`` or ``cfg``."""
+  found = []
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "ml_collections" for a in node.names):
+      found.append(f"line {node.lineno}: imports ml_collections")
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ml_collections":
+      found.append(f"line {node.lineno}: imports from ml_collections")
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+      name = getattr(node, "name", "lambda")
+      found += [f"line {node.lineno}: {name}({a.arg})" for a in args if a.arg in ("config", "cfg")]
+  return found
+
+
+def test_below_the_config_layer_nothing_reads_a_config():
+  """The config is read in one place (``ipf_jax.config.read`` and the builder, DESIGN.md §9): the layers below
+  ``config`` take typed arguments (a ``ParticleSpec``, a ``ModelSpec``, an optax transformation, numbers), never
+  the config, so its schema is no hidden dependency of theirs."""
+  readers = []
+  for name, path in modules():
+    here = unit(name)
+    if here and RANK[here] < RANK["config"]:
+      readers += [f"{name} {where}" for where in config_readers(path)]
+  assert not readers, "\n".join(readers)
+
+
+def test_the_config_reader_check_sees_a_reader(tmp_path):
+  bad = tmp_path / "bad.py"
+  bad.write_text("import ml_collections\ndef f(x, config):\n  return config.seed\ng = lambda cfg: cfg\n")
+  assert config_readers(str(bad)) == [
+    "line 1: imports ml_collections",
+    "line 2: f(config)",
+    "line 4: lambda(cfg)",
+  ]

@@ -222,7 +222,7 @@ def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
   import optax
 
   from ipf_jax.runtime import checkpoint, trainer
-  from ipf_jax.spmd import optim
+  from ipf_jax.config import read
 
   d = helpers.digits_data()
   data = ipf_jax.ArrayDataset("digits", train=d.train, test=d.test, num_classes=10)
@@ -247,7 +247,7 @@ def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
     )
 
   def my_sgd(lr):  # the built-in optimizer under another name: the state fits
-    return optim.create_optimizer(library_config(), lr)
+    return read.optimizer(library_config(), lr)
 
   capsys.readouterr()
   results = ipf_jax.train_and_evaluate(library_config(num_train_steps=6), str(tmp_path), data=data, optimizer=my_sgd)

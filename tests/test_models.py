@@ -65,6 +65,7 @@ def test_a_vit_population_trains_with_adamw_dropout_and_stochastic_depth(tmp_pat
   import ipf_jax
   from configs import digits
   from ipf_jax import models
+  from ipf_jax.config import read
   from ipf_jax.runtime import trainer
 
   config = digits.get_config()
@@ -98,7 +99,7 @@ def test_a_vit_population_trains_with_adamw_dropout_and_stochastic_depth(tmp_pat
   config.update(model="vit_ti16", vit_patch_size=4, dropout=0.1, stochastic_depth=0.1)
   plan = trainer.check_run(config, str(tmp_path / "zoo"))
   assert "would train 6 steps" in plan, plan
-  assert models.rngs(config) == ("dropout",)
+  assert read.model_spec(config, 10).rngs == ("dropout",)
   config.vit_patch_size = 0  # 16 x 16 patches on 8 x 8 digits: refused, naming the sizes that tile them
   with pytest.raises(
     ConfigError,
@@ -107,11 +108,11 @@ def test_a_vit_population_trains_with_adamw_dropout_and_stochastic_depth(tmp_pat
   ):
     trainer.check_run(config, str(tmp_path / "zoo"))
   config.vit_patch_size = 4
-  zoo = models.model_from_fields(models.model_fields(config, 10))
+  zoo = models.model_from_fields(read.model_spec(config, 10).fields())
   assert isinstance(zoo, vit.ViT) and (zoo.patch_size, zoo.width, zoo.depth, zoo.dropout) == (4, 192, 12, 0.1)
   assert not zoo.scan
   config.vit_scan = True  # an export records it, so the fused model rebuilds with its blocks stacked
-  fields = models.model_fields(config, 10)
+  fields = read.model_spec(config, 10).fields()
   assert fields["vit_scan"] is True and models.model_from_fields(fields).scan
   del fields["vit_scan"]  # an export written before the field existed: unrolled, as it was trained
   assert not models.model_from_fields(fields).scan

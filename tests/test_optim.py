@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ipf_jax.config import read
 from ipf_jax.spmd import optim
 from tests import helpers
 
@@ -27,13 +28,13 @@ def test_lr_scaling_rules(rule, expected):
     num_train_steps=110,
   )
   assert optim.lr_scale(rule, 512, 256, devices=4, num_particles=8) == pytest.approx(expected)
-  lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
+  lr = read.learning_rate_fn(config, *read.train_steps(config, 1))
   assert float(lr(10)) == pytest.approx(0.1 * expected, rel=1e-6)
 
 
 def test_schedule_is_linear_warmup_then_cosine_to_zero():
   config = helpers.tiny_config(lr_scaling="none", base_lr=0.4, warmup_steps=10, num_train_steps=110)
-  lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
+  lr = read.learning_rate_fn(config, *read.train_steps(config, 1))
   hand = lambda k: 0.4 * k / 10 if k < 10 else 0.2 * (1 + math.cos(math.pi * (k - 10) / 100))
   for k in (0, 5, 10, 35, 60, 109, 110):
     assert float(lr(k)) == pytest.approx(hand(k), abs=1e-7), f"step {k}"
@@ -58,7 +59,7 @@ def test_the_step_reports_the_learning_rate_of_its_update_and_diversity_without_
 
 def test_epochs_set_steps_and_warmup():
   config = helpers.tiny_config(num_epochs=2.5, warmup_epochs=0.5)
-  assert optim.train_steps(config, 40) == (100, 20)
+  assert read.train_steps(config, 40) == (100, 20)
 
 
 def test_accumulation_does_not_change_the_learning_rate():
@@ -74,7 +75,7 @@ def test_accumulation_does_not_change_the_learning_rate():
       num_train_steps=110,
       grad_accum_steps=k,
     )
-    lr = optim.create_learning_rate_fn(config, *optim.train_steps(config, 1))
+    lr = read.learning_rate_fn(config, *read.train_steps(config, 1))
     lrs.append([float(lr(s)) for s in (5, 10, 60)])
   np.testing.assert_allclose(lrs[0], lrs[1])
   assert lrs[0][1] == pytest.approx(0.2)
@@ -84,7 +85,7 @@ def test_accumulation_does_not_change_the_learning_rate():
 def test_grad_clip_norm_by_hand(clip, norm):
   """Plain SGD (no momentum, no decay): the update is -lr x g x min(1, clip / |g|), |g| over all leaves."""
   config = helpers.tiny_config(grad_clip_norm=clip, momentum=0.0, weight_decay=0.0)
-  tx = optim.create_optimizer(config, lambda step: 0.5)
+  tx = read.optimizer(config, lambda step: 0.5)
   grads = {"a": jnp.array([3.0, 0.0]), "b": {"kernel": jnp.array([[0.0], [4.0]])}}  # global norm 5
   params = {"a": jnp.zeros(2), "b": {"kernel": jnp.zeros((2, 1))}}
   updates, _ = tx.update(grads, tx.init(params), params)
@@ -98,7 +99,7 @@ def test_weight_decay_on_kernels_only_and_nesterov_momentum_by_hand():
   leaves only."""
   lr, mu, wd = 0.1, 0.9, 0.01
   config = helpers.tiny_config(momentum=mu, nesterov=True, weight_decay=wd)
-  tx = optim.create_optimizer(config, lambda step: lr)
+  tx = read.optimizer(config, lambda step: lr)
   params = {"bias": jnp.array([1.0, -1.0]), "kernel": jnp.array([[2.0], [0.5]])}
   grads = {"bias": jnp.array([0.5, 0.25]), "kernel": jnp.array([[1.0], [-1.0]])}
   state = tx.init(params)
@@ -116,7 +117,7 @@ def test_weight_decay_on_kernels_only_and_nesterov_momentum_by_hand():
 
 
 def _two_steps(config, lr, params, grads):
-  tx = optim.create_optimizer(config, lambda step: lr)
+  tx = read.optimizer(config, lambda step: lr)
   state = tx.init(params)
   for _ in range(2):
     updates, state = tx.update(grads, state, params)
@@ -165,7 +166,7 @@ def test_lamb_scales_each_leaf_by_its_trust_ratio():
   """One step of LAMB: u = m / (sqrt(v) + eps) + wd theta (kernels), theta -= lr ||theta|| / ||u|| u per leaf."""
   lr, b1, b2, eps, wd = 0.1, 0.9, 0.999, 1e-6, 0.01
   config = helpers.tiny_config(optimizer="lamb", b1=b1, b2=b2, eps=eps, weight_decay=wd)
-  tx = optim.create_optimizer(config, lambda step: lr)
+  tx = read.optimizer(config, lambda step: lr)
   updates, _ = tx.update(GRADS, tx.init(PARAMS), PARAMS)
   for k in PARAMS:
     p, g = np.asarray(PARAMS[k], np.float64), np.asarray(GRADS[k], np.float64)
@@ -175,7 +176,7 @@ def test_lamb_scales_each_leaf_by_its_trust_ratio():
 
 def test_the_checkpoint_names_the_optimizer_with_its_fields():
   adamw = helpers.tiny_config(optimizer="adamw", mu_dtype="bfloat16", weight_decay=0.1)
-  assert optim.builtin_name(adamw) == "adamw(b1=0.9, b2=0.999, eps=1e-08, mu_dtype=bfloat16, weight_decay=0.1)"
-  assert optim.builtin_name(helpers.tiny_config(momentum=0.9, nesterov=True, weight_decay=0.0005)) == (
+  assert read.builtin_name(adamw) == "adamw(b1=0.9, b2=0.999, eps=1e-08, mu_dtype=bfloat16, weight_decay=0.1)"
+  assert read.builtin_name(helpers.tiny_config(momentum=0.9, nesterov=True, weight_decay=0.0005)) == (
     "sgd(momentum=0.9, nesterov=True, weight_decay=0.0005)"
   )

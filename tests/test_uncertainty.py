@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ipf_jax.config import read
 from ipf_jax.data import shifts
 from ipf_jax.data.errors import DataError
 from ipf_jax.errors import ConfigError
@@ -161,12 +162,12 @@ def test_digits_corruptions_are_deterministic_and_grow_with_severity():
 def test_shift_and_ood_config_errors_name_the_field():
   config = helpers.tiny_config(eval_shifts="gaussian_noise,fog")
   with pytest.raises(ConfigError, match="config.eval_shifts: fog not known for dataset 'digits'"):
-    shifts.eval_sets(config, helpers.digits_data())
+    read.eval_sets(config, helpers.digits_data())
   config = helpers.tiny_config(ood_dataset="svhn_cropped")
   with pytest.raises(ConfigError, match="config.ood_dataset: 'svhn_cropped' is not available for digits"):
-    shifts.ood_set(config, helpers.digits_data())
+    read.ood_sets(config, helpers.digits_data())
   config = helpers.tiny_config(eval_shifts="all")
-  assert sorted(shifts.eval_sets(config, helpers.digits_data())) == sorted(
+  assert sorted(read.eval_sets(config, helpers.digits_data())) == sorted(
     f"{c}_{s}" for c in shifts.DIGITS_CORRUPTIONS for s in shifts.SEVERITIES
   )
 
@@ -179,10 +180,10 @@ def test_tfds_shift_and_ood_sets_on_mock_data(tmp_path):
   config = helpers.tiny_config(dataset="cifar10", eval_shifts="contrast,cifar10_1", ood_dataset="svhn_cropped")
   with tfds.testing.mock_data(num_examples=12):
     data = tfds_input.TFDSDataset("cifar10", None, 32, small_images=True)
-    sets = shifts.eval_sets(config, data)
+    sets = read.eval_sets(config, data)
     assert sorted(sets) == ["cifar10_1"] + [f"contrast_{s}" for s in shifts.SEVERITIES]
     assert sets["contrast_3"].name == "cifar10_corrupted/contrast_3" and sets["contrast_3"].split == "test"
-    ood = shifts.ood_set(config, data)
+    (ood,) = read.ood_sets(config, data).values()
     for source in (sets["contrast_5"], sets["cifar10_1"], ood):
       batches = list(source.eval_batches(5))
       assert [len(b["image"]) for b in batches] == [5, 5, 2] and source.test_size == 12
@@ -203,7 +204,7 @@ def test_imagenet_shift_sets_on_mock_data():
   config = helpers.tiny_config(dataset="imagenet2012", eval_shifts="gaussian_noise,imagenet_v2,imagenet_a,imagenet_r")
   with tfds.testing.mock_data(num_examples=6):
     data = tfds_input.TFDSDataset("imagenet2012", None, 16)
-    sets = shifts.eval_sets(config, data)
+    sets = read.eval_sets(config, data)
     assert sorted(sets) == [f"gaussian_noise_{s}" for s in shifts.SEVERITIES] + [
       "imagenet_a",
       "imagenet_r",
@@ -333,11 +334,10 @@ def test_extras_for_regression_and_sets_without_severities():
 
 
 def test_calibration_is_held_out_before_label_noise_and_names_the_data(tmp_path):
-  from ipf_jax.data import create_dataset
   from ipf_jax.runtime import trainer
 
   config = helpers.tiny_config(calibration_fraction=0.1, label_noise=0.5)
-  noisy = create_dataset(config)
+  noisy = read.dataset(config)
   clean = helpers.digits_data().holdout(0.1)
   np.testing.assert_array_equal(noisy.calibration.test["label"], clean.calibration.test["label"])
   assert noisy.train_size == clean.train_size == 1212 and (noisy.train["label"] != clean.train["label"]).mean() > 0.4

@@ -19,7 +19,7 @@ import ml_collections
 import optax
 
 from ipf_jax.config import sync as sync_lib
-from ipf_jax.config import validation
+from ipf_jax.config import read, validation
 from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import outer as outer_lib
 from ipf_jax.spmd import eval_step, fusion, optim, outer_step, pretrained
@@ -60,10 +60,11 @@ def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
   ``mixup``, per particle with their ``_spread``."""
   from ipf_jax import models
 
+  spec = read.model_spec(config, num_classes)
   return classification(
-    models.create_model(config, num_classes, bn_axis_name=mesh_lib.DATA),
+    models.create_model(spec, bn_axis_name=mesh_lib.DATA),
     label_smoothing=config.label_smoothing,
-    rngs=models.rngs(config),
+    rngs=spec.rngs,
     mixup=config.mixup,
     num_classes=num_classes,
     label_smoothing_spread=config.label_smoothing_spread,
@@ -92,7 +93,7 @@ def build(
     optimizer: one particle's optimizer as a function of the run's schedule, ``lr_fn ->
       optax.GradientTransformation`` (e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``), or any
       ``optax.GradientTransformation`` with its own schedule; default the config's (``config.optimizer``,
-      ``optim.create_optimizer``).
+      ``read.builtin_optimizer``).
     exchange: how resampled particles move (``population.exchange.Exchange``, e.g. ``functools.partial(
       population.exchange.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
     tx: the same as ``optimizer=tx``, for a transformation. A transformation brings its own schedule, so the
@@ -106,11 +107,11 @@ def build(
   mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
   spec = spec or validation.particle_spec(config)
   _check_init(config, task, spec)
-  total, warmup = optim.train_steps(config, steps_per_epoch)
-  lr_fn = optim.create_learning_rate_fn(config, total, warmup)
-  tx = optim.make_optimizer(config, lr_fn, optimizer)
+  total, warmup = read.train_steps(config, steps_per_epoch)
+  lr_fn = read.learning_rate_fn(config, total, warmup)
+  tx = read.optimizer(config, lr_fn, optimizer)
   outer = sync_lib.outer_spec(config)
-  abstract, init = state_lib.train_state_init_from_config(config, spec, task, tx, example, mesh, outer)
+  abstract, init = read.state_init(config, spec, task, tx, example, mesh, outer)
   if config.init_from:
     init = functools.partial(init, _start(config, task, example))
   train_step = _train_step(task, tx, spec, outer, mesh, (total, warmup, lr_fn), optimizer, exchange)
@@ -178,8 +179,6 @@ def state_shapes(
   optimizer: Optional[optim.Optimizer] = None,
 ):
   """The shapes and dtypes of the state ``config`` builds for ``task`` (no mesh, nothing compiled)."""
-  total, warmup = optim.train_steps(config, steps_per_epoch)
-  tx = optim.make_optimizer(config, optim.create_learning_rate_fn(config, total, warmup), optimizer)
-  return state_lib.train_state_shapes(
-    config, validation.particle_spec(config), task, tx, example, sync_lib.outer_spec(config)
-  )
+  total, warmup = read.train_steps(config, steps_per_epoch)
+  tx = read.optimizer(config, read.learning_rate_fn(config, total, warmup), optimizer)
+  return read.state_shapes(config, validation.particle_spec(config), task, tx, example, sync_lib.outer_spec(config))

@@ -228,3 +228,43 @@ def _devices(config: ml_collections.ConfigDict) -> None:
 
 
 SECTIONS = (_run, _data, _model, _optimiser, _particles, _outer, _devices)  # get_config's order; docs/CONFIG.md's
+# fmt: on
+
+# Each field's kind on resume, the schema's one description of it (read by the resume checks,
+# runtime/compatibility.py, and docs/CONFIG.md's "on resume" column):
+# - HOW: how a run is run (logging, saving, devices, what the evaluation adds), not what it trains: a resume may
+#   change it without a word. Another mesh or loop changes results only by float rounding.
+# - IDENTITY: which method trained the population, from what start: a resume that changes one would continue
+#   another run under this run's name (a finished ipf run evaluated as the ensemble the command asked for), so
+#   it is refused even when the state's shapes agree.
+# - every other field: a resume may change it if the saved state fits, and the change is listed.
+HOW = frozenset(
+  {
+    "log_every_steps",
+    "trackers",
+    "eval_every_steps",
+    "checkpoint_every_steps",
+    "checkpoint_every_minutes",
+    "time_limit_minutes",
+    "keep_checkpoints",
+    "async_checkpointing",
+    "data_dir",
+    "eval_batch_size",
+    "eval_shifts",
+    "shift_examples",
+    "ood_dataset",
+    "fused_bn_batches",
+    "particle_loop",
+    "num_devices",
+    "particle_axis_size",
+    "num_cpu_devices",
+  }
+)
+IDENTITY = ("mode", "num_particles", "init", "init_from", "init_particle", "init_reinit", "weigh_on", "sync")
+# config.trackers' names, each with the package it needs (pyproject.toml's extra of the same name; validation checks it)
+TRACKERS = {"tensorboard": None, "mlflow": "mlflow"}
+
+
+def on_resume(field: str) -> str:
+  """What a resume that changes ``field`` does, in words (docs/CONFIG.md)."""
+  return "silent" if field in HOW else "refused" if field in IDENTITY else "listed"

@@ -27,10 +27,11 @@ error: config.global_batch_size: 128 is not divisible by num_particles x data de
 multiple of 24 such as 120
 ```
 
-A resume that changes a field deciding what the run is (`mode`, `num_particles`, `init`, `weigh_on`, `sync`,
-...) stops and names it; fields that fit the saved state (more steps, a lower learning rate) continue with the
-new values and are listed first. The fields that matter most, with measured advice: README, "The fields that
-matter".
+"On resume" says what a resume with a changed value does: *refused* for a field deciding what the run is
+(`mode`, `num_particles`, `init`, `weigh_on`, `sync`, ...: it stops and names the field), *silent* for how it is
+run (logging, saving, devices, extra evaluation sets), *listed* for the others: they continue with the new value
+if the saved state fits (more steps, a lower learning rate), and the run's first lines list each change.
+The fields that matter most, with measured advice: README, "The fields that matter".
 """
 
 
@@ -62,9 +63,11 @@ def render() -> str:
   for section in defaults.SECTIONS:
     title, _, rest = inspect.getdoc(section).partition(":")
     rest = rest.strip()
-    parts.append(f"## {title}\n\n{rest[:1].upper() + rest[1:]}\n\n| field | default | meaning |\n|---|---|---|")
+    head = "| field | default | on resume | meaning |\n|---|---|---|---|"
+    parts.append(f"## {title}\n\n{rest[:1].upper() + rest[1:]}\n\n{head}")
     parts[-1] += "".join(
-      f"\n| `{name}` | `{cell(repr(config[name]))}` | {cell(comment)} |" for name, comment in fields(section)
+      f"\n| `{name}` | `{cell(repr(config[name]))}` | {defaults.on_resume(name)} | {cell(comment)} |"
+      for name, comment in fields(section)
     )
   return "\n\n".join(parts) + "\n"
 

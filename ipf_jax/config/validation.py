@@ -14,7 +14,7 @@ import jax
 import ml_collections
 
 from ipf_jax import models
-from ipf_jax.config import sync
+from ipf_jax.config import defaults, sync
 from ipf_jax.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
 from ipf_jax.population import exchange
 from ipf_jax.population import particle_filter as pf
@@ -116,8 +116,7 @@ def _check(cond: bool, field: str, message: str):
     raise ConfigError(field, message)
 
 
-# config.trackers: each tracker and the package it needs (pyproject.toml's extra of the same name).
-TRACKER_PACKAGES = {"tensorboard": None, "mlflow": "mlflow"}
+TRACKER_PACKAGES = defaults.TRACKERS
 
 
 def _check_trackers(config) -> None:

@@ -153,10 +153,11 @@ def family(name: str) -> tuple:
   return name, 0
 
 
-def names(config, dataset_name: str) -> tuple:
-  """The shifts ``config.eval_shifts`` names for ``dataset_name`` (``all``: every one it has)."""
+def names(eval_shifts: str, dataset_name: str) -> tuple:
+  """The shifts ``eval_shifts`` (comma-separated; the config field) names for ``dataset_name`` (``all``: every
+  one it has)."""
   known = known_shifts(dataset_name)
-  asked = [s.strip() for s in config.eval_shifts.split(",") if s.strip()]
+  asked = [s.strip() for s in eval_shifts.split(",") if s.strip()]
   if asked == ["all"]:
     return known
   unknown = [s for s in asked if s not in known]
@@ -179,29 +180,28 @@ def known_shifts(dataset_name: str) -> tuple:
   return ()
 
 
-def eval_sets(config, dataset) -> dict:
-  """``{name: eval source}`` for every shift ``config.eval_shifts`` names (a corruption gives one set
-  per severity, ``<corruption>_<severity>``), each with ``eval_batches(n)``, ``test_size`` and
-  ``eval_process_local``."""
-  shifts = names(config, config.dataset)
+def eval_sets(shifts: tuple, dataset_name: str, dataset, shift_examples: int = 0) -> dict:
+  """``{name: eval source}`` for every shift in ``shifts`` (``names``) of ``dataset``, the first
+  ``shift_examples`` test examples (0: all); a corruption gives one set per severity,
+  ``<corruption>_<severity>``; each has ``eval_batches(n)``, ``test_size`` and ``eval_process_local``."""
   if not shifts:
     return {}
-  n = config.shift_examples or None
-  if config.dataset == "digits":
+  n = shift_examples or None
+  if dataset_name == "digits":
     test = {k: v[:n] for k, v in dataset.test.items()}
     return {
       f"{c}_{s}": _arrays(f"digits/{c}_{s}", {**test, "image": corrupt(test["image"], c, s)})
       for c in shifts
       for s in SEVERITIES
     }
-  if config.dataset in ARRAY_SHIFTS:
+  if dataset_name in ARRAY_SHIFTS:
     from ipf_jax.data import tfds_input
 
     images, labels = tfds_input.test_images(dataset)
     images, labels = images[:n], labels[:n]  # uint8; each set is corrupted when it is evaluated
     return {
       f"{c}_{s}": tfds_input.ArrayEvalSet(
-        f"{config.dataset}/{c}_{s}",
+        f"{dataset_name}/{c}_{s}",
         images,
         labels,
         dataset,
@@ -210,43 +210,38 @@ def eval_sets(config, dataset) -> dict:
       for c in shifts
       for s in SEVERITIES
     }
-  table = TFDS_SHIFTS[config.dataset]
+  table = TFDS_SHIFTS[dataset_name]
   out = {}
   for shift in shifts:
     if shift in table["sets"]:
       builder, split = table["sets"][shift]
-      out[shift] = _tfds(config, dataset, builder, _first(split, n))
+      out[shift] = _tfds(dataset, builder, _first(split, n))
     else:
       builder, split = table["corrupted"]
       split = _first(split, n)
-      out.update({f"{shift}_{s}": _tfds(config, dataset, f"{builder}/{shift}_{s}", split) for s in SEVERITIES})
+      out.update({f"{shift}_{s}": _tfds(dataset, f"{builder}/{shift}_{s}", split) for s in SEVERITIES})
   return out
 
 
-def ood_names(config) -> tuple:
-  """The OOD sets ``config.ood_dataset`` names (comma-separated), in order."""
-  names_ = [s.strip() for s in config.ood_dataset.split(",") if s.strip()]
+def ood_names(ood_dataset: str) -> tuple:
+  """The OOD sets ``ood_dataset`` (comma-separated; the config field) names, in order."""
+  names_ = [s.strip() for s in ood_dataset.split(",") if s.strip()]
   if len(set(names_)) != len(names_):
     from ipf_jax.errors import ConfigError
 
-    raise ConfigError("ood_dataset", f"{config.ood_dataset!r} names a set twice")
+    raise ConfigError("ood_dataset", f"{ood_dataset!r} names a set twice")
   return tuple(names_)
 
 
-def ood_sets(config, dataset) -> dict:
-  """``{name: eval source}`` of each set ``config.ood_dataset`` names: ``photos`` for digits; for
-  Fashion-MNIST ``digits``, ``photos`` or a TFDS dataset; for the other TFDS datasets the name of any
-  prepared TFDS image dataset (``svhn_cropped`` for CIFAR), its ``test`` split."""
-  return {name: _ood_set(config, dataset, name) for name in ood_names(config)}
+def ood_sets(names_: tuple, dataset_name: str, dataset, shift_examples: int = 0) -> dict:
+  """``{name: eval source}`` of each OOD set in ``names_`` (``ood_names``), up to ``shift_examples`` examples
+  (0: all): ``photos`` for digits; for Fashion-MNIST ``digits``, ``photos`` or a TFDS dataset; for the other
+  TFDS datasets the name of any prepared TFDS image dataset (``svhn_cropped`` for CIFAR), its ``test`` split."""
+  return {name: _ood_set(dataset_name, dataset, name, shift_examples) for name in names_}
 
 
-def ood_set(config, dataset):
-  """The first set ``ood_sets`` gives, or ``None``."""
-  return next(iter(ood_sets(config, dataset).values()), None)
-
-
-def _ood_set(config, dataset, name: str):
-  if config.dataset == "digits":
+def _ood_set(dataset_name: str, dataset, name: str, shift_examples: int):
+  if dataset_name == "digits":
     if name != "photos":
       from ipf_jax.errors import ConfigError
 
@@ -254,26 +249,26 @@ def _ood_set(config, dataset, name: str):
         "ood_dataset",
         f"{name!r} is not available for digits; use 'photos' (8x8 patches of scikit-learn's sample photographs)",
       )
-    images = photo_patches(config.shift_examples or dataset.test_size)
+    images = photo_patches(shift_examples or dataset.test_size)
     return _arrays("photos", {"image": images, "label": np.zeros(len(images), np.int32)})
-  if name in ARRAY_OOD.get(config.dataset, ()):
+  if name in ARRAY_OOD.get(dataset_name, ()):
     from ipf_jax.data import tfds_input
 
     side = dataset.image_size
     images = (
-      upscaled_digits(side)[: config.shift_examples or None]
+      upscaled_digits(side)[: shift_examples or None]
       if name == "digits"
-      else photo_patches(config.shift_examples or PHOTOS, side)
+      else photo_patches(shift_examples or PHOTOS, side)
     )
     return tfds_input.ArrayEvalSet(name, images * 255.0, None, dataset)
   try:
-    return _tfds(config, dataset, name, "test")
+    return _tfds(dataset, name, "test")
   except DataError as e:
-    if config.dataset not in ARRAY_OOD:
+    if dataset_name not in ARRAY_OOD:
       raise
     raise DataError(
-      f"config.ood_dataset: {name!r} is neither one of {config.dataset}'s own OOD sets "
-      f"({', '.join(ARRAY_OOD[config.dataset])}) nor a prepared TFDS dataset ({e})"
+      f"config.ood_dataset: {name!r} is neither one of {dataset_name}'s own OOD sets "
+      f"({', '.join(ARRAY_OOD[dataset_name])}) nor a prepared TFDS dataset ({e})"
     ) from None
 
 
@@ -285,7 +280,7 @@ def _arrays(name: str, test: dict) -> ArrayDataset:
   return ArrayDataset(name=name, train={k: v[:1] for k, v in test.items()}, test=test)
 
 
-def _tfds(config, dataset, builder_name: str, split: str):
+def _tfds(dataset, builder_name: str, split: str):
   from ipf_jax.data import tfds_input
 
   if not isinstance(dataset, tfds_input.TFDSDataset):

@@ -11,6 +11,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from ipf_jax.config import defaults
+
 Signature = dict  # {"params/Conv_0/kernel": ((8, 3, 3, 1, 32), "float32"), ...}
 
 
@@ -43,53 +45,14 @@ def _flat_config(config) -> dict:
   return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in d.items()}
 
 
-# Fields that say how a run is run (logging, saving, devices, what the evaluation adds), not what it trains:
-# a resume may change them without a word. Another mesh or loop changes results only by float rounding (the
-# resume line says on how many devices the checkpoint was written), except another particle mesh with
-# resample_placement=local (placement_note: a warning). Any other difference is listed.
-HOW_FIELDS = frozenset(
-  {
-    "log_every_steps",
-    "trackers",
-    "eval_every_steps",
-    "checkpoint_every_steps",
-    "checkpoint_every_minutes",
-    "time_limit_minutes",
-    "keep_checkpoints",
-    "async_checkpointing",
-    "data_dir",
-    "eval_batch_size",
-    "eval_shifts",
-    "shift_examples",
-    "ood_dataset",
-    "fused_bn_batches",
-    "particle_loop",
-    "num_devices",
-    "particle_axis_size",
-    "num_cpu_devices",
-  }
-)
+# The fields' kinds on resume are the schema's (``config.defaults``): HOW changes silently, IDENTITY is refused.
+HOW_FIELDS = defaults.HOW
+MEANING_FIELDS = defaults.IDENTITY
 
 
 # Config fields a dataset's name records (``ArrayDataset.holdout`` adds "(0.1 held out)"): when a checkpoint's
 # data name differs from this run's, those that differ are named in the refusal.
 DATA_FIELDS = ("dataset", "calibration_fraction")
-
-
-# Fields that decide what a run's results mean (which method trained the population, from what start): a resume
-# that changes one would continue another run under this run's name (a finished ipf run evaluated as the
-# ensemble the command asked for), so it is refused even when the state's shapes agree. A field a checkpoint's
-# config lacks (an older version's) is not compared.
-MEANING_FIELDS = (
-  "mode",
-  "num_particles",
-  "init",
-  "init_from",
-  "init_particle",
-  "init_reinit",
-  "weigh_on",
-  "sync",
-)
 
 
 def check_meaning(saved_config: dict, config: ml_collections.ConfigDict, where: str) -> None:

@@ -14,9 +14,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from ipf_jax import files, models
-from ipf_jax.config import validation
-from ipf_jax.data import shifts
+from ipf_jax import files
+from ipf_jax.config import read, validation
 from ipf_jax.evaluation import results as results_lib
 from ipf_jax.reporting import export, tables
 from ipf_jax.runtime import workdir as workdir_lib
@@ -65,8 +64,8 @@ class Evaluations:
   def __init__(self, config: ml_collections.ConfigDict, dataset, calibration, task, parts, workdir: str, zoo: bool):
     self.config, self.dataset, self.calibration, self.task, self.parts = config, dataset, calibration, task, parts
     self.workdir, self.zoo, self.mesh, self.spec = workdir, zoo, parts.mesh, parts.spec
-    self.shift_sets = shifts.eval_sets(config, dataset)
-    self.ood_sets = shifts.ood_sets(config, dataset)
+    self.shift_sets = read.eval_sets(config, dataset)
+    self.ood_sets = read.ood_sets(config, dataset)
 
   def fused_bn(self, state, interrupted: Callable[[], bool] = lambda: False):
     """The fused model's BatchNorm statistics averaged over ``fused_bn_batches`` training batches
@@ -91,11 +90,11 @@ class Evaluations:
     size, per_process = layout.eval_batch_sizes(
       self.config.eval_batch_size, self.mesh, getattr(source, "test_size", None)
     )
-    read = [0]
+    seen = [0]
 
     def counted(batches):
       for batch in batches:
-        read[0] += len(next(iter(batch.values())))
+        seen[0] += len(next(iter(batch.values())))
         yield batch
 
     results = eval_step.evaluate(
@@ -110,7 +109,7 @@ class Evaluations:
       interrupted,
       process_local=local,
     )
-    return results, read[0]
+    return results, seen[0]
 
   def evaluate_more(self, state, results: dict, fused_bn=None, interrupted: Callable[[], bool] = lambda: False):
     """What the config asks for beyond the test set: temperature scaling fitted on the held-out part of
@@ -140,7 +139,7 @@ class Evaluations:
     ``fused_model{suffix}`` (with re-estimated BatchNorm statistics when ``fused_bn_batches`` > 0).
     A file that cannot be written (full disk) is reported and skipped: the table is already printed."""
     fused_bn = self.fused_bn(state, interrupted)
-    results, read = self._evaluate(state, fused_bn, interrupted)
+    results, seen = self._evaluate(state, fused_bn, interrupted)
     results.update(self.evaluate_more(state, results, fused_bn, interrupted))
     step = int(state.step)
     size = self.dataset.test_size
@@ -150,7 +149,7 @@ class Evaluations:
       step,
       size if size else "the",
       self.dataset.name,
-      f" (process 0 read {read}: each process reads its own part)" if jax.process_count() > 1 and read != size else "",
+      f" (process 0 read {seen}: each process reads its own part)" if jax.process_count() > 1 and seen != size else "",
       tables.format_table(results, self.task.columns, self.spec.shared_init),
       "\n" + extras if extras else "",
     )
@@ -176,7 +175,7 @@ class Evaluations:
         files.write_atomic(
           path, json.dumps({"step": step, **jax.tree.map(lambda x: np.asarray(x).tolist(), results)}, indent=1)
         )
-        fields = models.model_fields(self.config, self.dataset.num_classes) if self.zoo else None
+        fields = read.model_spec(self.config, self.dataset.num_classes).fields() if self.zoo else None
         export.export_fused(variables, os.path.join(self.workdir, f"fused_model{suffix}"), fields)
       except OSError as e:
         log.error(

@@ -13,8 +13,7 @@ import optax
 
 from ipf_jax import files, models
 from ipf_jax.config import builder as build_lib
-from ipf_jax.config import validation
-from ipf_jax.data import create_dataset
+from ipf_jax.config import read, validation
 from ipf_jax.reporting import summary
 from ipf_jax.reporting import trackers as trackers_lib
 from ipf_jax.runtime import checkpoint as checkpoint_lib
@@ -56,12 +55,12 @@ class _Run:
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
     self.dataset, calibration = run_eval.hold_out(
-      config, data if data is not None else create_dataset(config), data_given=data is not None
+      config, data if data is not None else read.dataset(config), data_given=data is not None
     )
     validation.validate_data(config, self.dataset.train_size, jax.device_count())
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     if self.zoo:
-      models.check_input(config, self.dataset.example)
+      models.check_input(read.model_spec(config, self.dataset.num_classes), self.dataset.example)
     self.task = task or build_lib.zoo_task(config, self.dataset.num_classes)
     self.steps_per_epoch = self.dataset.steps_per_epoch(config.global_batch_size)  # None: unknown
     if self.steps_per_epoch is None and (config.num_epochs or config.warmup_epochs):
@@ -74,7 +73,7 @@ class _Run:
     self.parts = build_lib.build(
       config, self.task, self.dataset.example, self.steps_per_epoch or 1, optimizer=optimizer
     )
-    self.optimizer_record = optim.optimizer_record(config, optimizer, self.parts.abstract_state.opt_state)
+    self.optimizer_record = read.optimizer_record(config, optimizer, self.parts.abstract_state.opt_state)
     self.spec, self.mesh, self.total, self.lr_fn = (
       self.parts.spec,
       self.parts.mesh,
@@ -230,7 +229,7 @@ def check_run(
     if config.grad_accum_steps > 1
     else ""
   )
-  warmup = optim.train_steps(config, run.steps_per_epoch or 1)[1]
+  warmup = read.train_steps(config, run.steps_per_epoch or 1)[1]
   return (
     f"dry run: config, devices, data and --workdir {workdir} checked. Data {run.dataset.name!r}: "
     f"{run.dataset.train_size} train / {run.dataset.test_size} test examples; {config.global_batch_size} per "
@@ -279,7 +278,7 @@ def train_and_evaluate(
   """Trains ``config.num_particles`` particles and evaluates them; returns the final eval results.
 
   ``task`` (default: classification with the zoo model ``config.model``) and ``data`` (default:
-  ``create_dataset(config)``; any object with ``train_batches``, ``eval_batches``,
+  ``read.dataset(config)``; any object with ``train_batches``, ``eval_batches``,
   ``steps_per_epoch``, ``train_size``, ``test_size``, ``example``, ``name``, see ``ipf_jax.data``)
   are what a library user brings; so is one particle's optimizer: ``optimizer=`` a function of the run's
   schedule (``lr_fn -> optax.GradientTransformation``, e.g. ``lambda lr: optax.adamw(lr, weight_decay=0.05)``)

@@ -13,10 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipf_jax.population import compression
-from ipf_jax.population import outer as outer_lib
-from ipf_jax.spmd import fsdp, optim, pretrained, sharing
+from ipf_jax.spmd import fsdp, pretrained, sharing
 from ipf_jax.spmd.mesh import DATA, PARTICLE
-from ipf_jax.spmd.spec import OuterSpec
 
 
 @flax.struct.dataclass
@@ -229,44 +227,7 @@ def train_state_init(
   return abstract, jax.jit(init_all, out_shardings=shardings)
 
 
-def _from_config(config, spec, outer: Optional[OuterSpec] = None) -> dict:
-  """The ``train_state_init`` arguments that the config, the particle spec and the outer loop's decide."""
-  return dict(
-    shared_init=spec.shared_init,
-    shared_pattern=config.shared_params,
-    compress=spec.compress_correction,
-    dynamic_scale=optim.create_dynamic_scale(config),
-    outer_tx=None if outer is None else outer_lib.outer_optimizer(outer.outer_lr, outer.outer_momentum),
-  )
-
-
-def train_state_init_from_config(
-  config,
-  spec,
-  task,
-  tx: optax.GradientTransformation,
-  example: dict,
-  mesh: jax.sharding.Mesh,
-  outer: Optional[OuterSpec] = None,
-):
-  """``train_state_init`` with everything the config and the particle spec decide: seed, init,
-  shared parameters, compression residuals, float16's loss scale and the outer loop's anchor."""
-  return train_state_init(
-    jax.random.PRNGKey(config.seed),
-    task,
-    tx,
-    example,
-    spec.num_particles,
-    mesh,
-    **_from_config(config, spec, outer),
-    fsdp_min_bytes=config.fsdp_min_size_mb * 2**20 if config.fsdp else None,
-  )
-
-
-def train_state_shapes(
-  config, spec, task, tx: optax.GradientTransformation, example: dict, outer: Optional[OuterSpec] = None
-) -> ParticleState:
-  """Shapes and dtypes (``ShapeDtypeStruct`` leaves) of the state ``config`` builds; compiles nothing."""
-  return jax.eval_shape(
-    _init_fn(jax.random.PRNGKey(0), task, tx, example, spec.num_particles, **_from_config(config, spec, outer))
-  )
+def train_state_shapes(task, tx: optax.GradientTransformation, example: dict, num_particles: int, **init) -> Any:
+  """Shapes and dtypes (``ShapeDtypeStruct`` leaves) of the state ``train_state_init`` builds with the same
+  arguments (``init``: its keywords, ``fsdp_min_bytes`` aside); compiles nothing."""
+  return jax.eval_shape(_init_fn(jax.random.PRNGKey(0), task, tx, example, num_particles, **init))
