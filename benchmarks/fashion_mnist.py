@@ -134,7 +134,7 @@ def steps_per_epoch(batch: int, train_size: int = TRAIN_SIZE) -> int:
 
 
 def run_steps(args, train_size: int = TRAIN_SIZE) -> int:
-  """The steps of one run: ``--steps``, else ``--epochs`` of ``--batch`` (as ``optim.train_steps`` rounds) over
+  """The steps of one run: ``--steps``, else ``--epochs`` of ``--batch`` (as ``config.read.train_steps`` rounds) over
   ``train_size`` examples."""
   return args.steps or round(args.epochs * steps_per_epoch(args.batch, train_size))
 
