@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import ipf_jax
@@ -317,9 +318,15 @@ def test_the_models_the_config_checks_for_remat_are_those_with_blocks():
 def test_a_clip_that_sees_part_of_the_particle_is_refused():
   """Under ``optax.masked`` (or first after a transform that drops leaves) the clip would norm one device's
   blocks of some leaves: refused, naming what to do."""
-  with fsdp.updating({"a": 2, "b": -1}):
-    with pytest.raises(ValueError, match=r"config.fsdp: clip_by_global_norm was given 1 leaves .* sharded in 2"):
-      fsdp.global_norm({"a": jnp.ones((3,))})
+  dims = {"a": 0, "b": -1}  # "a" sharded along its first dimension, "b" whole
+  tx = optax.masked(ipf_jax.spmd.optim.clip_by_global_norm(1.0), {"a": True, "b": False})
+  tree = {"a": jnp.ones((3,)), "b": jnp.ones((2,))}
+  with pytest.raises(ValueError, match=r"config.fsdp: clip_by_global_norm was given 1 leaves .* sharded in 2"):
+    step_lib.update_sharded(tx, dims, tree, tx.init(tree), tree)
+  whole = optax.chain(ipf_jax.spmd.optim.clip_by_global_norm(1.0))  # not sharded: optax's norm, the same numbers
+  got, _ = step_lib.update_sharded(whole, None, tree, whole.init(tree), tree)
+  want, _ = optax.clip_by_global_norm(1.0).update(tree, optax.EmptyState())
+  jax.tree.map(np.testing.assert_allclose, got, want)
 
 
 def test_a_scanned_block_sharded_along_its_layers_is_named():

@@ -20,7 +20,6 @@ the exchange's ``ppermute``) runs on shards as it is and moves ``1 / Dd`` of the
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 import re
 from typing import Any, Optional
@@ -296,26 +295,12 @@ def all_finite(tree, dims):
 
 # ---- the optimizer's global norm --------------------------------------------------------------------------------
 
-_UPDATE_DIMS: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("ipf_jax_fsdp_update_dims", default=None)
 
-
-@contextlib.contextmanager
-def updating(dims):
-  """While the step traces one particle's optimizer update: the ``dims`` of the tree it updates, so that
-  ``global_norm`` (the optimizer's clipping) sums shards over ``"data"``."""
-  token = _UPDATE_DIMS.set(dims if is_sharded(dims) else None)
-  try:
-    yield
-  finally:
-    _UPDATE_DIMS.reset(token)
-
-
-def global_norm(tree):
-  """``optax.tree.norm`` of one particle's tree, over its whole leaves when the step is updating a sharded
-  particle (``updating``)."""
-  dims = _UPDATE_DIMS.get()
+def global_norm(tree, dims=None):
+  """``optax.tree.norm`` of one particle's tree, over its whole leaves when ``dims`` says they are shards
+  (``sum_over_shards``; ``None``: whole leaves)."""
   leaves = jax.tree.leaves(tree)
-  if dims is None:
+  if not is_sharded(dims):
     return optax.tree.norm(tree)
   if len(jax.tree.leaves(dims)) != len(leaves):
     raise ValueError(

@@ -35,18 +35,22 @@ OPTIMIZERS = ("sgd", "adamw", "lamb", "lion", "adafactor")
 ELEMENTWISE = ("sgd", "adamw", "lion")  # an update of a shard of the weights needs that shard only (FSDP)
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-  """``optax.clip_by_global_norm`` (the same state, ``EmptyState``, and the same numbers) whose norm is over
-  the particle's whole leaves when its leaves are sharded over ``"data"`` (``config.fsdp``: ``fsdp.global_norm``
-  sums the shards' squares over the group)."""
+SHARD_DIMS = "shard_dims"  # the extra argument (optax's extra-args protocol) that tells an update its leaves' shards
 
-  def update(updates, state, params=None):
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+  """``optax.clip_by_global_norm`` (the same state, ``EmptyState``, and the same numbers) whose norm is over
+  the particle's whole leaves when its leaves are sharded over ``"data"``: the step passes the shards' layout as
+  the extra argument ``shard_dims`` (``fsdp.dims_of``; optax's chain hands extra arguments to each transformation
+  that takes them), and ``fsdp.global_norm`` sums the shards' squares over the group."""
+
+  def update(updates, state, params=None, **extra):
     del params
-    norm = fsdp.global_norm(updates)
+    norm = fsdp.global_norm(updates, extra.get(SHARD_DIMS))
     trigger = jnp.squeeze(norm < max_norm)
     return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
 
-  return optax.GradientTransformation(optax.init_empty_state, update)
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 # A library user's optimizer for one particle: the run's schedule -> a transformation, or a transformation.

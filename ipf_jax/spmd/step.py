@@ -18,6 +18,7 @@ of a device (``over_particles``); collectives name ``"particle"`` or ``"data"``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -30,7 +31,7 @@ from ipf_jax.population import compression, correction
 from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.population.streams import Stream, stream
-from ipf_jax.spmd import fsdp, loss_scaling, sharing
+from ipf_jax.spmd import fsdp, loss_scaling, optim, sharing
 from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
 from ipf_jax.spmd.mesh import DATA, PARTICLE
 from ipf_jax.spmd.particles import over_particles, particle_keys, per_particle, slot_keys
@@ -271,6 +272,14 @@ def local_slice(all_values, num_local: int):
 # ---- 3. correct and update -------------------------------------------------------------------------------------
 
 
+def update_sharded(tx: optax.GradientTransformation, dims, directions, opt_state, params):
+  """One particle's ``tx.update``, told the layout of its shards when it is sharded over ``"data"`` (FSDP): the
+  extra argument ``optim.SHARD_DIMS``, which the built-in clipping reads to norm the whole particle."""
+  if not fsdp.is_sharded(dims):
+    return tx.update(directions, opt_state, params)
+  return optax.with_extra_args_support(tx).update(directions, opt_state, params, **{optim.SHARD_DIMS: dims})
+
+
 def correct_and_update(
   tx: optax.GradientTransformation, spec: ParticleSpec, dp: int, state: ParticleState, g: Gradients, weights, dims=None
 ):
@@ -291,8 +300,7 @@ def correct_and_update(
     directions = correction.mix(g.grads, consensus, spec.correction)
   else:
     directions = correction.correct(g.grads, weights, spec.correction, PARTICLE)
-  with fsdp.updating(dims):  # config.fsdp: the optimizer's clipping norms the whole particle, not a shard
-    updates, opt_state = jax.vmap(tx.update)(directions, state.opt_state, state.params)
+  updates, opt_state = jax.vmap(functools.partial(update_sharded, tx, dims))(directions, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   if spec.elastic_pull and spec.elastic_pull_every > 1:  # a gentle pull: every k-th step only, its psum skipped
     pull = lambda p: correction.correct(p, weights, spec.elastic_pull, PARTICLE)
