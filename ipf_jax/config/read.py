@@ -5,6 +5,7 @@ state initialiser's arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Optional
 
@@ -118,22 +119,9 @@ def dynamic_scale(config: Config):
 
 
 def model_spec(config: Config, num_classes: int) -> models.ModelSpec:
-  """The zoo model ``config.model`` names, with its fields."""
-  return models.ModelSpec(
-    model=config.model,
-    num_classes=num_classes,
-    dtype=config.dtype,
-    cnn_features=tuple(config.cnn_features),
-    small_inputs=config.small_inputs,
-    bn_momentum=config.bn_momentum,
-    vit_patch_size=config.vit_patch_size,
-    vit_pool=config.vit_pool,
-    vit_posemb=config.vit_posemb,
-    vit_scan=config.vit_scan,
-    dropout=config.dropout,
-    stochastic_depth=config.stochastic_depth,
-    remat=config.remat,
-  )
+  """The zoo model ``config.model`` names: each of ``ModelSpec``'s fields is the config field of its name."""
+  names = [f.name for f in dataclasses.fields(models.ModelSpec) if f.name != "num_classes"]
+  return models.ModelSpec.from_fields({**{k: config[k] for k in names}, "num_classes": num_classes})
 
 
 def model(config: Config, num_classes: int, bn_axis_name: Optional[str] = None):
