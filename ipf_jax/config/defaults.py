@@ -34,6 +34,14 @@ def _run(config: ml_collections.ConfigDict) -> None:
   config.time_limit_minutes = 0.0      # stop cleanly (save, exit code 75) after this much wall time (0 = none)
   config.keep_checkpoints = 3          # keep the newest K checkpoints
   config.async_checkpointing = True    # write checkpoints in the background while training goes on
+  config.rewind = False                # go back to the newest checkpoint when training diverges and skip the
+                                       # batches read since (docs/RUNNING.md "Rewind on divergence")
+  config.rewind_window = 20            # rewind: the loss's moving average (over about this many steps) must stay
+                                       # above rewind_loss_factor x its lowest for this many steps
+  config.rewind_loss_factor = 2.0      # rewind: how far above its lowest the loss's moving average may go
+  config.rewind_accuracy_drop = 0.0    # rewind: also when the periodic evaluation's accuracy falls this many
+                                       # points below the run's best (0 = off)
+  config.rewind_max = 3                # rewind: at most this many in a run, then it stops with an error
   config.trackers = "tensorboard"      # where the run's scalars go, comma-separated: tensorboard | mlflow (its
                                        # server from MLFLOW_TRACKING_URI; it also gets the config as parameters
                                        # and, at the end, the fused model, results and pictures as artifacts)
@@ -242,6 +250,11 @@ HOW = frozenset(
   {
     "log_every_steps",
     "trackers",
+    "rewind",
+    "rewind_window",
+    "rewind_loss_factor",
+    "rewind_accuracy_drop",
+    "rewind_max",
     "eval_every_steps",
     "checkpoint_every_steps",
     "checkpoint_every_minutes",

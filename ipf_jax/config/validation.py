@@ -119,6 +119,31 @@ def _check(cond: bool, field: str, message: str):
 TRACKER_PACKAGES = defaults.TRACKERS
 
 
+def _validate_rewind(config) -> None:
+  """``config.rewind`` goes back to checkpoints: it needs them, and a spike rule that can be met."""
+  if not config.rewind:
+    return
+  _check(
+    config.checkpoint_every_steps > 0,
+    "rewind",
+    f"goes back to the newest checkpoint, but checkpoint_every_steps={config.checkpoint_every_steps} writes none "
+    "during the run; set checkpoint_every_steps > 0 (e.g. 100) or rewind=False",
+  )
+  _check(config.rewind_window >= 1, "rewind_window", f"{config.rewind_window} must be at least 1 step (e.g. 20)")
+  _check(
+    config.rewind_loss_factor > 1,
+    "rewind_loss_factor",
+    f"{config.rewind_loss_factor} must be above 1: the loss's average is compared with factor x its lowest (e.g. 2)",
+  )
+  _check(config.rewind_max >= 0, "rewind_max", f"{config.rewind_max} must be 0 or more")
+  _check(
+    not config.rewind_accuracy_drop or config.eval_every_steps > 0,
+    "rewind_accuracy_drop",
+    "compares the periodic evaluation's accuracy with the run's best, but eval_every_steps=0 evaluates only at "
+    "the end; set eval_every_steps > 0 or rewind_accuracy_drop=0",
+  )
+
+
 def _check_trackers(config) -> None:
   import importlib.util
 
@@ -178,6 +203,7 @@ def validate(config: ml_collections.ConfigDict, available_devices: int) -> tuple
   validate_algorithm(config)
   sync.validate_sync(config)
   _check_trackers(config)
+  _validate_rewind(config)
   _validate_model(config)
   _validate_papa(config)
   _validate_run(config)

@@ -186,9 +186,10 @@ class Checkpointer:
       self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
     return self._manager
 
-  def save(self, step: int, state, config: ml_collections.ConfigDict) -> None:
+  def save(self, step: int, state, config: ml_collections.ConfigDict, rewind: Optional[dict] = None) -> None:
     """Starts saving ``state`` as ``step`` (in the background with ``async_save``); raises ``SaveError`` if
-    this or the previous save failed, or if the disk cannot hold it (checked before writing anything)."""
+    this or the previous save failed, or if the disk cannot hold it (checked before writing anything).
+    ``rewind``: the rewind watch's record (``config.rewind``: its count and data offset), kept in the meta."""
     assert not self.read_only
     manager = self._ensure_manager()
     self.wait()  # the previous save is committed (or its failure raised) before anything is deleted
@@ -203,6 +204,7 @@ class Checkpointer:
       "num_processes": jax.process_count(),
       "data": self.data_name,
       "optimizer": self.optimizer,
+      **({"rewind": rewind} if rewind is not None else {}),
     }
     self._pending = step
     quiet.arm()  # until it is committed (wait)

@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 from ipf_jax.config import validation
 from ipf_jax.data.errors import DataError
-from ipf_jax.runtime import checkpoint, cluster, preemption, trainer, workdir
+from ipf_jax.runtime import checkpoint, cluster, preemption, rewind, trainer, workdir
 
 FLAGS = flags.FLAGS
 
@@ -100,7 +100,14 @@ def apply_mode(config, argv) -> None:
     config.num_particles = 1
 
 
-ERRORS = (validation.ConfigError, checkpoint.CheckpointError, trainer.NonFiniteError, workdir.WorkdirError, DataError)
+ERRORS = (
+  validation.ConfigError,
+  checkpoint.CheckpointError,
+  trainer.NonFiniteError,
+  rewind.DivergedError,
+  workdir.WorkdirError,
+  DataError,
+)
 
 
 def _usage_error(message: str) -> None:

@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 from ipf_jax.data.errors import DataError
 from ipf_jax.evaluation import metrics as metrics_lib
 from ipf_jax.runtime import checkpoint as checkpoint_lib
+from ipf_jax.runtime import rewind as rewind_lib
 from ipf_jax.spmd import layout, outer_step
 from ipf_jax.spmd.mesh import one_program_at_a_time
 
@@ -51,41 +52,21 @@ class Training:
   stop (or None); a failed save raises ``SaveError`` where it happens, after abandoning the checkpointer.
   ``state`` and ``newest`` (the newest saved step) are the loop's, for its caller to read after either."""
 
-  def __init__(self, run, control, ckpt, writer, state, newest, interrupted, step_hook):
+  def __init__(self, run, control, ckpt, writer, state, newest, interrupted, step_hook, watch=None):
     self.run, self.control, self.ckpt, self.writer = run, control, ckpt, writer
     self.state, self.newest, self.interrupted, self.step_hook = state, newest, interrupted, step_hook
     self.start = int(state.step)
+    self.watch: Optional[rewind_lib.Watch] = watch  # config.rewind; None: off
 
   def run_steps(self):
-    run, config = self.run, self.run.config
     t_start = time.perf_counter()
     self._clock = (t_start, self.start)  # (time, step) of the last progress line
-    pending = []  # per-step metrics still on the device, fetched at the next log step
-    stop = None
-    prefetched = layout.prefetch(
-      run.dataset.train_batches(self.start, config.global_batch_size, config.seed),
-      lambda b: layout.put_train_batch(b, run.spec.num_particles, run.mesh, run.dataset.process_local),
-    )
-    batches = until_exhausted(prefetched, run.dataset.name, self.start)
-    try:
-      for step in range(self.start, run.total):
-        batch = next(batches)
-        if self.step_hook is not None:
-          self.state, batch = self.step_hook(step, self.state, batch)
-        self.state, m = one_program_at_a_time(run.parts.step_at(step)(self.state, batch))
-        pending.append(m)
-        done = step + 1
-        log_step = done % config.log_every_steps == 0 or done == run.total
-        if log_step:
-          self._log(done, fetch(pending))
-          pending = []
-        stop, save_now = self.control.at_step(done, log_step)
-        self._save_if_due(done, save_now or stop is not None)
-        if stop is not None:
-          break
-        self._evaluate_if_due(done)
-    finally:
-      prefetched.close()
+    while True:
+      try:
+        stop = self._steps_from(int(self.state.step))
+        break
+      except rewind_lib.Rewind as due:
+        self._rewind(due)
     if self.ckpt is not None:
       self._saving(int(self.state.step), self.ckpt.close)  # the newest checkpoint is committed before anything else
     self.writer.flush()
@@ -99,11 +80,71 @@ class Training:
       )
     return stop
 
+  def _steps_from(self, start: int):
+    """Steps from ``start`` to the end or an agreed stop (returned); raises ``Rewind`` when one is due."""
+    run, config, watch = self.run, self.run.config, self.watch
+    pending = []  # per-step metrics still on the device, fetched at the next log step
+    stop = None
+    offset = watch.data_offset if watch is not None else 0  # batches skipped by rewinds
+    prefetched = layout.prefetch(
+      run.dataset.train_batches(start + offset, config.global_batch_size, config.seed),
+      lambda b: layout.put_train_batch(b, run.spec.num_particles, run.mesh, run.dataset.process_local),
+    )
+    batches = until_exhausted(prefetched, run.dataset.name, start)
+    try:
+      for step in range(start, run.total):
+        batch = next(batches)
+        if self.step_hook is not None:
+          self.state, batch = self.step_hook(step, self.state, batch)
+        self.state, m = one_program_at_a_time(run.parts.step_at(step)(self.state, batch))
+        pending.append(m)
+        done = step + 1
+        log_step = done % config.log_every_steps == 0 or done == run.total
+        # rewind: the loss is judged before every periodic save, and the evaluation before it too
+        judge = watch is not None and config.checkpoint_every_steps > 0 and done % config.checkpoint_every_steps == 0
+        if log_step or judge:
+          self._log(done, fetch(pending))
+          pending = []
+        stop, save_now = self.control.at_step(done, log_step)
+        if watch is not None and stop is None:
+          self._evaluate_if_due(done)
+        self._save_if_due(done, save_now or stop is not None)
+        if stop is not None:
+          break
+        if watch is None:
+          self._evaluate_if_due(done)
+    finally:
+      prefetched.close()
+    return stop
+
+  def _rewind(self, due: rewind_lib.Rewind) -> None:
+    """Back to the newest checkpoint (``DivergedError`` without one, or past ``rewind_max``)."""
+    if self.ckpt is None or self.newest is None:
+      raise rewind_lib.DivergedError(f"step {due.step}: {due.reason}, and no checkpoint was written to go back to")
+    self._saving(due.step, self.ckpt.wait)
+    read_to = int(self.state.step)  # the batches up to here were read (the spike is judged at log steps)
+    state, _ = self.ckpt.restore_latest(self.run.parts.abstract_state, self.run.config, self.run.state_signature)
+    self.watch.rewound(read_to, int(state.step), self.run.config.rewind_max)
+    self.state, self.newest = state, int(state.step)
+    self._clock = (time.perf_counter(), self.newest)  # the next progress line's rate counts from the restore
+    log.warning(
+      "step %d: %s; rewound to the checkpoint of step %d, skipping the %d batches read since (rewind %d of at most %d)",
+      due.step,
+      due.reason,
+      self.newest,
+      read_to - self.newest,
+      self.watch.count,
+      self.run.config.rewind_max,
+    )
+    self.writer.scalars(due.step, {"train/rewinds": self.watch.count})
+
   def _log(self, done: int, fetched: list) -> None:
     skipped = check_finite(self.state, self.run.spec.num_particles, done, self.newest)
     (t_last, last_step), now = self._clock, time.perf_counter()
     for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
       self.writer.train_step(k, mk)
+      if self.watch is not None:
+        self.watch.loss(k, float(metrics_lib.weighted_train_loss(mk)))
     log_progress(
       self.run, self.state, fetched[-1], self.writer, done, self.start, (done - last_step) / (now - t_last), skipped
     )
@@ -117,11 +158,13 @@ class Training:
     config = self.run.config
     periodic = config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
 
+    held = self.watch is not None and self.watch.suspect and not requested and done != self.run.total
+
     def save():
       self.ckpt.poll()
-      if done == self.run.total or periodic or requested:
+      if (done == self.run.total or periodic or requested) and not held:  # held: the loss is suspect (rewind)
         check_finite(self.state, self.run.spec.num_particles, done, self.newest)
-        self.ckpt.save(done, self.state, config)
+        self.ckpt.save(done, self.state, config, rewind=self.watch.record() if self.watch is not None else None)
         self.control.saved()
         self.newest = done
 
@@ -146,6 +189,8 @@ class Training:
     except InterruptedError:
       return  # the stop is taken after the next step
     self.writer.eval_results(done, results)
+    if self.watch is not None:
+      self.watch.accuracy(done, float(results["ensemble"]["accuracy"]))
     log.info(
       "eval step %d  ensemble acc %.2f%%  fused acc %.2f%%",
       done,

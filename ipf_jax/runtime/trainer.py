@@ -17,7 +17,7 @@ from ipf_jax.config import read, validation
 from ipf_jax.reporting import summary
 from ipf_jax.reporting import trackers as trackers_lib
 from ipf_jax.runtime import checkpoint as checkpoint_lib
-from ipf_jax.runtime import compatibility, loop, preemption, run_eval
+from ipf_jax.runtime import compatibility, loop, preemption, rewind, run_eval
 from ipf_jax.runtime.logs import keep_log, setup_logging
 from ipf_jax.runtime import workdir as workdir_lib
 from ipf_jax.runtime.preemption import RunStopped
@@ -29,6 +29,7 @@ from ipf_jax.spmd.task import Task
 log = logging.getLogger("ipf_jax")
 WorkdirError = workdir_lib.WorkdirError
 NonFiniteError = loop.NonFiniteError
+DivergedError = rewind.DivergedError
 
 
 class _Run:
@@ -70,6 +71,7 @@ class _Run:
         "steps_per_epoch_fn=...)) or count in steps (num_train_steps, warmup_steps)",
       )
     self.optimizer = optimizer
+    self.resumed_meta: dict = {}  # the meta of the checkpoint resumed from (restore): its rewind record
     self.parts = build_lib.build(
       config, self.task, self.dataset.example, self.steps_per_epoch or 1, optimizer=optimizer
     )
@@ -147,6 +149,7 @@ class _Run:
         self.log_start()
       return None
     state, meta = restored
+    self.resumed_meta = meta
     log.info(
       "%s %s at step %d (written on %d device(s))",
       "resumed from" if self.for_training else "evaluating",
@@ -378,7 +381,8 @@ def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_ho
   finished = False
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
   try:
-    training = loop.Training(run, control, ckpt, writer, state, newest, interrupted, step_hook)
+    watch = rewind.Watch.from_config(run.config, run.resumed_meta.get("rewind"))
+    training = loop.Training(run, control, ckpt, writer, state, newest, interrupted, step_hook, watch)
     try:
       stop = training.run_steps()
     except checkpoint_lib.SaveError:

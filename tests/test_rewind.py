@@ -1,0 +1,139 @@
+"""Rewind on divergence (``config.rewind``): the watch's rule against a plain loop, and digits runs through the
+real trainer with a fault injected once (the parameters scaled x30 at step 33: the loss jumps and stays up):
+with rewind the run goes back to the checkpoint before the fault, skips the batches read since and ends with
+an uninterrupted run's accuracy; without it the loss ends diverged; a rewound run stopped by SIGTERM resumes to
+the same final state; past rewind_max it stops with one error."""
+
+import json
+import math
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from configs import digits
+from ipf_jax.errors import ConfigError
+from ipf_jax.runtime import preemption, rewind, trainer
+from tests import helpers
+
+FAULT_STEP = 33
+
+
+def config(**kw):
+  c = digits.get_config()
+  c.num_train_steps, c.log_every_steps, c.checkpoint_every_steps, c.async_checkpointing = 80, 5, 10, False
+  c.cnn_features, c.mode, c.num_particles = helpers.TEST_FEATURES, "ddp", 1
+  c.rewind, c.rewind_window = True, 5
+  c.update(kw)
+  return c
+
+
+def fault_once(fired: list, scale: float = 30.0):
+  """Scales the parameters at FAULT_STEP, the first time only (a transient fault: a rewind trains past it)."""
+
+  def hook(step, state, batch):
+    if step == FAULT_STEP and not fired:
+      fired.append(step)
+      state = state.replace(params=jax.tree.map(lambda x: x * scale, state.params))
+    return state, batch
+
+  return hook
+
+
+def reference_rewind_step(losses, window, factor):
+  """The first step (1-based) at which the rule fires, by a plain loop: an exponential average with weight
+  1/window, its running minimum, and a count of consecutive steps with average > factor x minimum."""
+  average, lowest, above = None, math.inf, 0
+  for k, x in enumerate(losses, start=1):
+    average = x if average is None else (1 - 1 / window) * average + x / window
+    lowest = min(lowest, average)
+    above = above + 1 if average > factor * lowest else 0
+    if above >= window:
+      return k
+  return None
+
+
+@pytest.mark.parametrize("window,factor", [(3, 2.0), (5, 1.5), (10, 3.0)])
+def test_the_watch_fires_where_a_plain_loop_says(window, factor):
+  rng = np.random.default_rng(window)
+  losses = list(np.exp(-np.linspace(0, 2, 60)) + 0.05 * rng.random(60)) + list(4 + rng.random(40))
+  want = reference_rewind_step(losses, window, factor)
+  watch = rewind.Watch(window=window, loss_factor=factor, accuracy_drop=0.0)
+  got = None
+  for k, x in enumerate(losses, start=1):
+    try:
+      watch.loss(k, float(x))
+    except rewind.Rewind as due:
+      got = due.step
+      break
+  assert got == want and want is not None and want > 60
+
+
+def test_an_accuracy_drop_fires_and_counts_stop_at_the_maximum():
+  watch = rewind.Watch(window=5, loss_factor=2.0, accuracy_drop=5.0)
+  watch.accuracy(10, 0.90)
+  watch.accuracy(20, 0.86)  # 4 points: kept
+  with pytest.raises(rewind.Rewind, match=r"fell more than 5 points below the run's best \(90.00%\)"):
+    watch.accuracy(30, 0.84)
+  watch.rewound(30, 20, max_rewinds=1)
+  assert watch.record() == {"count": 1, "data_offset": 10}
+  with pytest.raises(rewind.DivergedError, match=r"diverged again after 1 rewind\(s\) \(config.rewind_max=1\)"):
+    watch.rewound(40, 20, max_rewinds=1)
+
+
+def meta(workdir, step):
+  return json.load(open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")))
+
+
+def test_a_fault_is_rewound_and_the_run_ends_as_an_uninterrupted_one(tmp_path, capsys):
+  clean = trainer.train_and_evaluate(config(rewind=False), str(tmp_path / "clean"))
+  capsys.readouterr()
+  off = trainer.train_and_evaluate(config(rewind=False), str(tmp_path / "off"), step_hook=fault_once([]))
+  out_off = capsys.readouterr().out
+  on = trainer.train_and_evaluate(config(), str(tmp_path / "on"), step_hook=fault_once([]))
+  out = capsys.readouterr().out
+  assert "rewound to the checkpoint of step 30, skipping the 10 batches read since (rewind 1 of at most 3)" in out
+  assert abs(on["fused"]["accuracy"] - clean["fused"]["accuracy"]) < 0.02, (on["fused"], clean["fused"])
+  assert on["fused"]["nll"] < 2 * clean["fused"]["nll"]
+  last_loss = lambda text: float(text.split("step 80/80")[1].split("loss ")[1].split()[0])
+  assert last_loss(out_off) > 10 * last_loss(out), "without rewind the loss ends diverged"
+  assert off["fused"]["nll"] > 5 * clean["fused"]["nll"]
+  assert meta(tmp_path / "on", 80)["rewind"] == {"count": 1, "data_offset": 10}
+  assert "rewind" not in meta(tmp_path / "off", 80)
+
+
+def test_a_rewound_run_stopped_by_sigterm_resumes_to_the_same_state(tmp_path):
+  whole = tmp_path / "whole"
+  trainer.train_and_evaluate(config(), str(whole), step_hook=fault_once([]))
+  fault = fault_once([])
+
+  def stop_at_55(step, state, batch):
+    if step == 55:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return fault(step, state, batch)
+
+  with pytest.raises(preemption.RunStopped):
+    trainer.train_and_evaluate(config(), str(tmp_path / "cut"), step_hook=stop_at_55)
+  assert meta(tmp_path / "cut", 56)["rewind"] == {"count": 1, "data_offset": 10}
+  trainer.train_and_evaluate(config(), str(tmp_path / "cut"))  # the fault was met before the stop
+  saved = lambda w: helpers.load_checkpoint_numpy(os.path.join(w, "checkpoints", "80", "state"))
+  jax.tree.map(np.testing.assert_array_equal, saved(str(whole)), saved(str(tmp_path / "cut")))
+  assert meta(tmp_path / "cut", 80)["rewind"] == meta(whole, 80)["rewind"]
+
+
+def test_past_rewind_max_the_run_stops_with_one_error(tmp_path):
+  def always(step, state, batch):  # a fault on every pass: the rewind meets it again
+    if step == FAULT_STEP:
+      state = state.replace(params=jax.tree.map(lambda x: x * 30.0, state.params))
+    return state, batch
+
+  with pytest.raises(trainer.DivergedError, match=r"diverged again after 1 rewind\(s\) \(config.rewind_max=1\)"):
+    trainer.train_and_evaluate(config(rewind_max=1), str(tmp_path), step_hook=always)
+  assert meta(tmp_path, 30)["step"] == 30, "the checkpoint before the fault is kept"
+
+
+def test_rewind_needs_checkpoints():
+  with pytest.raises(ConfigError, match="config.rewind: goes back to the newest checkpoint, but checkpoint_every"):
+    trainer.check_run(config(checkpoint_every_steps=0), "/tmp/unused")
