@@ -16,6 +16,7 @@ In the README's order, from a fresh directory holding the checkout's ``configs/`
   instead of the user's ``~/tensorflow_datasets``, which the config's dry run then reads.
 """
 
+import ast
 import contextlib
 import importlib
 import io
@@ -314,3 +315,26 @@ def test_references_to_the_user_documents_name_their_sections():
           if m.group(2) not in heads[m.group(1)]:
             missing.append((os.path.relpath(f, helpers.ROOT), m.group(1), m.group(2)))
   assert found >= 5 and not missing, (found, missing)
+
+
+def test_the_quickstart_then_each_help_example_plans_its_own_run(tmp_path, monkeypatch):
+  """After the README's quickstart (trained for real, a few steps), each ``python train.py`` example that
+  ``train.py --help`` prints, as printed, through train.py's flag parser and the checks a run makes (a dry run:
+  each would train the whole job): every one plans a new run from step 0 in the workdir its comment names, none
+  resumes the quickstart's or another mode's run (the mode-change trap)."""
+  monkeypatch.chdir(tmp_path)
+  os.symlink(os.path.join(helpers.ROOT, "configs"), "configs")
+  os.mkdir("runs")
+  quickstart = "python train.py --config configs/digits.py --workdir runs/digits"
+  assert quickstart in open(README).read()
+  with contextlib.redirect_stdout(io.StringIO()):
+    run_train_command(shlex.split(quickstart), real=True, small=False)
+  shown = ast.get_docstring(ast.parse(open(os.path.join(helpers.ROOT, "train.py")).read()))  # what --help prints
+  examples = re.findall(r"^\s*(python train\.py [^#\n]*?)\s+# .*?into (runs/\S+)$", shown, re.M)
+  assert {w for _, w in examples} == {"runs/digits_ipf", "runs/digits_ddp", "runs/digits_ensemble"}, examples
+  for command, workdir in examples:
+    fv = train_flags(shlex.split(command))
+    assert cli.workdir_of(fv) == workdir, command
+    with contextlib.redirect_stdout(io.StringIO()):
+      plan = trainer.check_run(fv.config, workdir)
+    assert "from the start" in plan, (command, plan)
