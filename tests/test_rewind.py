@@ -7,6 +7,7 @@ the same final state; past rewind_max it stops with one error."""
 import json
 import math
 import os
+import re
 import signal
 
 import jax
@@ -78,7 +79,7 @@ def test_an_accuracy_drop_fires_and_counts_stop_at_the_maximum():
   with pytest.raises(rewind.Rewind, match=r"fell more than 5 points below the run's best \(90.00%\)"):
     watch.accuracy(30, 0.84)
   watch.rewound(30, 20, max_rewinds=1)
-  assert watch.record() == {"count": 1, "data_offset": 10}
+  assert watch.record()["count"] == 1 and watch.record()["data_offset"] == 10
   with pytest.raises(rewind.DivergedError, match=r"diverged again after 1 rewind\(s\) \(config.rewind_max=1\)"):
     watch.rewound(40, 20, max_rewinds=1)
 
@@ -100,11 +101,31 @@ def test_a_fault_is_rewound_and_the_run_ends_as_an_uninterrupted_one(tmp_path, c
   last_loss = lambda text: float(text.split("step 80/80")[1].split("loss ")[1].split()[0])
   assert last_loss(out_off) > 10 * last_loss(out), "without rewind the loss ends diverged"
   assert off["fused"]["nll"] > 5 * clean["fused"]["nll"]
-  assert meta(tmp_path / "on", 80)["rewind"] == {"count": 1, "data_offset": 10}
+  assert {k: meta(tmp_path / "on", 80)["rewind"][k] for k in ("count", "data_offset")} == {
+    "count": 1,
+    "data_offset": 10,
+  }
   assert "rewind" not in meta(tmp_path / "off", 80)
 
 
-def test_a_rewound_run_stopped_by_sigterm_resumes_to_the_same_state(tmp_path):
+@pytest.mark.parametrize(
+  "scale,kw",
+  [
+    (30.0, dict(checkpoint_every_minutes=1e-6)),  # a save every step by the timer: held while the loss is up
+    (float("nan"), {}),  # DDP skips non-finite steps: every particle dead counts as a non-finite loss
+  ],
+  ids=["timer-saves-held", "nan"],
+)
+def test_the_checkpoint_it_goes_back_to_predates_the_fault(tmp_path, capsys, scale, kw):
+  results = trainer.train_and_evaluate(config(**kw), str(tmp_path), step_hook=fault_once([], scale))
+  out = capsys.readouterr().out
+  rewound = re.findall(r"rewound to the checkpoint of step (\d+)", out)
+  assert len(rewound) == 1 and int(rewound[0]) <= FAULT_STEP, out[-3000:]
+  assert results["fused"]["accuracy"] > 0.9 and math.isfinite(results["fused"]["nll"])
+
+
+@pytest.mark.parametrize("rewind_on_resume", [True, False])
+def test_a_rewound_run_stopped_by_sigterm_resumes_to_the_same_state(tmp_path, rewind_on_resume):
   whole = tmp_path / "whole"
   trainer.train_and_evaluate(config(), str(whole), step_hook=fault_once([]))
   fault = fault_once([])
@@ -116,11 +137,16 @@ def test_a_rewound_run_stopped_by_sigterm_resumes_to_the_same_state(tmp_path):
 
   with pytest.raises(preemption.RunStopped):
     trainer.train_and_evaluate(config(), str(tmp_path / "cut"), step_hook=stop_at_55)
-  assert meta(tmp_path / "cut", 56)["rewind"] == {"count": 1, "data_offset": 10}
-  trainer.train_and_evaluate(config(), str(tmp_path / "cut"))  # the fault was met before the stop
+  assert {k: meta(tmp_path / "cut", 56)["rewind"][k] for k in ("count", "data_offset")} == {
+    "count": 1,
+    "data_offset": 10,
+  }
+  # the fault was met before the stop; with rewind off the resumed run still reads the data at the saved offset
+  trainer.train_and_evaluate(config(rewind=rewind_on_resume), str(tmp_path / "cut"))
   saved = lambda w: helpers.load_checkpoint_numpy(os.path.join(w, "checkpoints", "80", "state"))
   jax.tree.map(np.testing.assert_array_equal, saved(str(whole)), saved(str(tmp_path / "cut")))
-  assert meta(tmp_path / "cut", 80)["rewind"] == meta(whole, 80)["rewind"]
+  saved = lambda w: {k: meta(w, 80)["rewind"][k] for k in ("count", "data_offset")}
+  assert saved(tmp_path / "cut") == saved(whole) == {"count": 1, "data_offset": 10}
 
 
 def test_past_rewind_max_the_run_stops_with_one_error(tmp_path):
@@ -134,6 +160,32 @@ def test_past_rewind_max_the_run_stops_with_one_error(tmp_path):
   assert meta(tmp_path, 30)["step"] == 30, "the checkpoint before the fault is kept"
 
 
-def test_rewind_needs_checkpoints():
-  with pytest.raises(ConfigError, match="config.rewind: goes back to the newest checkpoint, but checkpoint_every"):
-    trainer.check_run(config(checkpoint_every_steps=0), "/tmp/unused")
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(checkpoint_every_steps=0), "config.rewind: goes back to the newest checkpoint, but checkpoint_every"),
+    (dict(rewind_accuracy_drop=-5.0), "config.rewind_accuracy_drop: -5.0 must be 0"),
+    (dict(rewind_accuracy_drop=5.0, eval_every_steps=10, checkpoint_every_steps=5), "set checkpoint_every_steps to a"),
+  ],
+)
+def test_rewind_config_errors_name_the_field(kw, match):
+  with pytest.raises(ConfigError, match=match):
+    trainer.check_run(config(**kw), "/tmp/unused")
+
+
+def test_a_stop_inside_a_spike_is_judged_on_after_resume(tmp_path, capsys):
+  """SIGTERM two steps into the spike: the stop's save is made (with a warning) and keeps the watch's numbers, so
+  the resumed run still sees the spike and rewinds to the checkpoint before it."""
+  fault = fault_once([])
+
+  def stop_at_35(step, state, batch):
+    if step == 35:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return fault(step, state, batch)
+
+  with pytest.raises(preemption.RunStopped):
+    trainer.train_and_evaluate(config(), str(tmp_path), step_hook=stop_at_35)
+  assert "step 36 is saved while the training loss is above rewind's line" in capsys.readouterr().out
+  results = trainer.train_and_evaluate(config(), str(tmp_path))
+  assert "rewound to the checkpoint of step 30" in capsys.readouterr().out
+  assert results["fused"]["accuracy"] > 0.9

@@ -136,11 +136,20 @@ def _validate_rewind(config) -> None:
     f"{config.rewind_loss_factor} must be above 1: the loss's average is compared with factor x its lowest (e.g. 2)",
   )
   _check(config.rewind_max >= 0, "rewind_max", f"{config.rewind_max} must be 0 or more")
+  drop, every = config.rewind_accuracy_drop, config.eval_every_steps
+  _check(drop >= 0, "rewind_accuracy_drop", f"{drop} must be 0 (off) or a drop in points, e.g. 5")
   _check(
-    not config.rewind_accuracy_drop or config.eval_every_steps > 0,
+    not drop or every > 0,
     "rewind_accuracy_drop",
     "compares the periodic evaluation's accuracy with the run's best, but eval_every_steps=0 evaluates only at "
     "the end; set eval_every_steps > 0 or rewind_accuracy_drop=0",
+  )
+  _check(
+    not drop or config.checkpoint_every_steps % max(every, 1) == 0,
+    "rewind_accuracy_drop",
+    f"judges each checkpoint by the evaluation before it, but checkpoint_every_steps="
+    f"{config.checkpoint_every_steps} saves between evaluations (eval_every_steps={every}); set "
+    f"checkpoint_every_steps to a multiple of {every}",
   )
 
 

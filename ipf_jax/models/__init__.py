@@ -35,8 +35,8 @@ class ModelSpec:
   model: str
   num_classes: int
   dtype: str = "float32"
-  cnn_features: tuple = (32, 64)
-  small_inputs: bool = True
+  cnn_features: tuple = (32, 64, 128)
+  small_inputs: bool = False
   bn_momentum: float = 0.9
   # Fields added after exports were first written: the defaults are the values those exports were made with.
   vit_patch_size: int = 0

@@ -347,9 +347,11 @@ class Checkpointer:
     abstract_state,
     config: ml_collections.ConfigDict,
     shapes_for: Optional[Callable[[ml_collections.ConfigDict], Signature]] = None,
+    wanted: Optional[Callable[[dict], bool]] = None,
   ):
     """The newest usable checkpoint as ``(state, meta)``, resharded onto ``abstract_state``'s shardings;
-    ``None`` when the workdir has no checkpoint at all.
+    ``None`` when the workdir has no checkpoint at all. ``wanted(meta)`` False passes over a readable checkpoint
+    (a rewind's: one saved inside a spike), leaving it as it is.
 
     Raises:
       CheckpointError: an incompatible checkpoint (nothing touched), every checkpoint unreadable
@@ -370,20 +372,11 @@ class Checkpointer:
     for step in reversed(steps):
       where = str(self.directory / str(step))
       state, (meta, saved_or_why) = None, self._read(step)
+      if meta is not None and wanted is not None and not wanted(meta):
+        continue
       why = None if meta is not None else saved_or_why
       if why is None:
-        check_compatible(
-          saved_or_why,
-          meta["config"],
-          current,
-          config,
-          where,
-          shapes_for,
-          meta.get("data"),
-          self.data_name,
-          meta.get("optimizer"),
-          self.optimizer,
-        )
+        self._check(meta, saved_or_why, current, config, where, shapes_for)
         state, why = self._restore(step, abstract_state)
       if not _everywhere(why is None):
         damaged.append((step, why or "another process could not read its part of it"))
@@ -394,6 +387,8 @@ class Checkpointer:
       if not self.read_only and not os.path.isfile(os.path.join(where, FILE_LIST)):
         self._write_file_list(step)  # a checkpoint cut off before its list (or an older version's) gets one
       return state, meta
+    if not damaged:
+      return None  # every checkpoint readable and passed over (``wanted``)
     listing = "; ".join(f"{step}: {why}" for step, why in damaged)
     raise CheckpointError(
       f"no checkpoint in {self.directory} can be read ({listing}). Nothing was changed and training did not start "
@@ -414,24 +409,28 @@ class Checkpointer:
     for step in reversed(self.steps()):
       meta, saved_or_why = self._read(step)
       if meta is not None:
-        check_compatible(
-          saved_or_why,
-          meta["config"],
-          current,
-          config,
-          str(self.directory / str(step)),
-          shapes_for,
-          meta.get("data"),
-          self.data_name,
-          meta.get("optimizer"),
-          self.optimizer,
-        )
+        self._check(meta, saved_or_why, current, config, str(self.directory / str(step)), shapes_for)
         return step, meta["config"]
     if self.steps() or self.set_aside():
       raise CheckpointError(
         f"no checkpoint in {self.directory} can be read: a run would stop here. Nothing was changed."
       )
     return None
+
+  def _check(self, meta: dict, saved: Signature, current: Signature, config, where: str, shapes_for) -> None:
+    """``check_compatible`` of one checkpoint's meta and signature against this run."""
+    check_compatible(
+      saved,
+      meta["config"],
+      current,
+      config,
+      where,
+      shapes_for,
+      meta.get("data"),
+      self.data_name,
+      meta.get("optimizer"),
+      self.optimizer,
+    )
 
   def _restore(self, step: int, abstract_state):
     """``(state, None)``, or ``(None, reason)`` when the checkpoint's files cannot be read."""

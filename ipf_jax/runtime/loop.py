@@ -4,6 +4,7 @@ and evaluations, and the stop the preemption control agrees on. ``trainer`` asse
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional
 
@@ -100,18 +101,20 @@ class Training:
         pending.append(m)
         done = step + 1
         log_step = done % config.log_every_steps == 0 or done == run.total
-        # rewind: the loss is judged before every periodic save, and the evaluation before it too
-        judge = watch is not None and config.checkpoint_every_steps > 0 and done % config.checkpoint_every_steps == 0
-        if log_step or judge:
+        if log_step:
           self._log(done, fetch(pending))
           pending = []
         stop, save_now = self.control.at_step(done, log_step)
-        if watch is not None and stop is None:
+        if watch is not None and watch.enabled and stop is None:  # judged before any save and evaluation
+          periodic = config.checkpoint_every_steps > 0 and done % config.checkpoint_every_steps == 0
+          if pending and (periodic or save_now):
+            self._log(done, fetch(pending), progress=False)
+            pending = []
           self._evaluate_if_due(done)
-        self._save_if_due(done, save_now or stop is not None)
+        self._save_if_due(done, save_now, stop is not None)
         if stop is not None:
           break
-        if watch is None:
+        if watch is None or not watch.enabled:
           self._evaluate_if_due(done)
     finally:
       prefetched.close()
@@ -123,7 +126,13 @@ class Training:
       raise rewind_lib.DivergedError(f"step {due.step}: {due.reason}, and no checkpoint was written to go back to")
     self._saving(due.step, self.ckpt.wait)
     read_to = int(self.state.step)  # the batches up to here were read (the spike is judged at log steps)
-    state, _ = self.ckpt.restore_latest(self.run.parts.abstract_state, self.run.config, self.run.state_signature)
+    before_spike = lambda meta: not meta.get("rewind", {}).get("above")  # not a stop's save inside a spike
+    restored = self.ckpt.restore_latest(
+      self.run.parts.abstract_state, self.run.config, self.run.state_signature, wanted=before_spike
+    )
+    if restored is None:
+      raise rewind_lib.DivergedError(f"step {due.step}: {due.reason}, and every checkpoint was saved inside the spike")
+    state, _ = restored
     self.watch.rewound(read_to, int(state.step), self.run.config.rewind_max)
     self.state, self.newest = state, int(state.step)
     self._clock = (time.perf_counter(), self.newest)  # the next progress line's rate counts from the restore
@@ -138,27 +147,48 @@ class Training:
     )
     self.writer.scalars(due.step, {"train/rewinds": self.watch.count})
 
-  def _log(self, done: int, fetched: list) -> None:
-    skipped = check_finite(self.state, self.run.spec.num_particles, done, self.newest)
+  def _log(self, done: int, fetched: list, progress: bool = True) -> None:
+    """The fetched steps' scalars, rewind's judgement of their losses, and (``progress``) the progress line."""
+    judged = self.watch is not None and self.watch.enabled
+    try:
+      skipped = check_finite(self.state, self.run.spec.num_particles, done, self.newest)
+    except NonFiniteError as e:
+      if not judged:
+        raise
+      raise rewind_lib.Rewind(done, "every particle's loss or gradient was not finite") from e
     (t_last, last_step), now = self._clock, time.perf_counter()
     for k, mk in enumerate(fetched, start=done - len(fetched) + 1):
       self.writer.train_step(k, mk)
-      if self.watch is not None:
-        self.watch.loss(k, float(metrics_lib.weighted_train_loss(mk)))
+      if judged:  # a step whose every particle was dead or skipped counts as not finite
+        alive = int(mk["num_alive"]) > 0
+        self.watch.loss(k, float(metrics_lib.weighted_train_loss(mk)) if alive else math.nan)
+    if not progress:  # rewind's judgement before a save: the scalars written, the line left to the log step
+      return
     log_progress(
       self.run, self.state, fetched[-1], self.writer, done, self.start, (done - last_step) / (now - t_last), skipped
     )
     self._clock = (now, done)
 
-  def _save_if_due(self, done: int, requested: bool) -> None:
+  def _save_if_due(self, done: int, requested: bool, stopping: bool = False) -> None:
     """A background save's failure stops the run at once (``poll``); a save at the last step, a periodic one,
-    or one the stop control asks for."""
+    one the stop control asks for (its timer), or the stop's. With ``rewind``, while the loss is suspect only
+    the stop's and the last are made (with a warning)."""
     if self.ckpt is None:
       return
     config = self.run.config
     periodic = config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
-
-    held = self.watch is not None and self.watch.suspect and not requested and done != self.run.total
+    suspect = self.watch is not None and self.watch.suspect
+    held = suspect and not stopping and done != self.run.total
+    requested = requested or stopping
+    if suspect and not held:
+      log.warning(
+        "step %d is saved while the training loss is above rewind's line (for %d of rewind_window=%d steps): "
+        "this checkpoint may hold a spike%s",
+        done,
+        self.watch.above,
+        self.watch.window,
+        "; the resumed run judges it on" if done != self.run.total else "; the run ends here",
+      )
 
     def save():
       self.ckpt.poll()

@@ -30,7 +30,9 @@ class Rewind(Exception):
 
 @dataclasses.dataclass
 class Watch:
-  """The host-side watch over one run. ``count`` and ``data_offset`` come from the checkpoint resumed from."""
+  """The host-side watch over one run, resumed from the checkpoint's record (``record``). ``enabled`` False: a
+  run with ``rewind`` off that resumes a rewound run's checkpoint keeps reading the data at its offset and keeps
+  the record, and judges nothing."""
 
   window: int
   loss_factor: float
@@ -41,40 +43,64 @@ class Watch:
   lowest: float = math.inf
   above: int = 0  # consecutive steps with the average above loss_factor x lowest
   best_accuracy: float = -math.inf
+  enabled: bool = True
+  last_nonfinite: bool = False
 
   @classmethod
   def from_config(cls, config, saved: Optional[dict] = None) -> Optional["Watch"]:
-    """The watch ``config.rewind`` asks for (``None``: off), resumed from a checkpoint's ``rewind`` record."""
-    if not config.rewind:
+    """The watch ``config.rewind`` asks for, resumed from a checkpoint's ``rewind`` record; ``None``: rewind
+    off and no record (a disabled watch keeps a record's data offset)."""
+    if not config.rewind and not saved:
       return None
     saved = saved or {}
+    lowest, best = saved.get("lowest"), saved.get("best_accuracy")
     return cls(
       window=config.rewind_window,
       loss_factor=config.rewind_loss_factor,
       accuracy_drop=config.rewind_accuracy_drop,
       count=int(saved.get("count", 0)),
       data_offset=int(saved.get("data_offset", 0)),
+      average=saved.get("average"),
+      lowest=math.inf if lowest is None else float(lowest),
+      above=int(saved.get("above", 0)),
+      best_accuracy=-math.inf if best is None else float(best),
+      enabled=bool(config.rewind),
     )
 
   @property
   def suspect(self) -> bool:
     """The loss is above the line: periodic saves wait, so the newest checkpoint stays one from before."""
-    return self.above > 0
+    return self.enabled and self.above > 0
 
   def record(self) -> dict:
-    """What a checkpoint keeps of the watch."""
-    return {"count": self.count, "data_offset": self.data_offset}
+    """What a checkpoint keeps of the watch: the count, the data offset and the loss's statistics (a run stopped
+    inside a spike judges it on when resumed)."""
+    finite = lambda x: None if x is None or not math.isfinite(x) else float(x)
+    return {
+      "count": self.count,
+      "data_offset": self.data_offset,
+      "average": finite(self.average),
+      "lowest": finite(self.lowest),
+      "above": self.above,
+      "best_accuracy": finite(self.best_accuracy),
+    }
 
   def loss(self, step: int, value: float) -> None:
-    """One step's training loss; raises ``Rewind`` when the spike has lasted ``window`` steps."""
+    """One step's training loss (non-finite: every particle dead or skipped); raises ``Rewind`` when the spike
+    has lasted ``window`` steps."""
+    if not self.enabled:
+      return
     if not math.isfinite(value):
-      self.above += 1
+      self.above, self.last_nonfinite = self.above + 1, True
     else:
+      self.last_nonfinite = False
       decay = 1.0 - 1.0 / self.window
       self.average = value if self.average is None else decay * self.average + (1.0 - decay) * value
       self.lowest = min(self.lowest, self.average)
       self.above = self.above + 1 if self.average > self.loss_factor * self.lowest else 0
     if self.above >= self.window:
+      if self.last_nonfinite:
+        raise Rewind(step, f"the training loss was not finite (or every particle was skipped) for {self.window} steps")
       raise Rewind(
         step,
         f"the training loss's moving average ({self.average:.4g}) stayed above {self.loss_factor:g} x its lowest "
@@ -83,6 +109,8 @@ class Watch:
 
   def accuracy(self, step: int, value: float) -> None:
     """The periodic evaluation's accuracy (a fraction); raises ``Rewind`` on a drop of ``accuracy_drop`` points."""
+    if not self.enabled:
+      return
     if self.accuracy_drop and 100 * (self.best_accuracy - value) > self.accuracy_drop:
       raise Rewind(
         step,

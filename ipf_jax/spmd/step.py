@@ -277,7 +277,12 @@ def update_sharded(tx: optax.GradientTransformation, dims, directions, opt_state
   extra argument ``optim.SHARD_DIMS``, which the built-in clipping reads to norm the whole particle."""
   if not fsdp.is_sharded(dims):
     return tx.update(directions, opt_state, params)
-  return optax.with_extra_args_support(tx).update(directions, opt_state, params, **{optim.SHARD_DIMS: dims})
+  try:
+    return optax.with_extra_args_support(tx).update(directions, opt_state, params, **{optim.SHARD_DIMS: dims})
+  except TypeError as e:  # a user's transformation that takes no unknown extra argument: it cannot use them
+    if optim.SHARD_DIMS not in str(e):
+      raise
+    return tx.update(directions, opt_state, params)
 
 
 def correct_and_update(
