@@ -317,12 +317,18 @@ def test_the_models_the_config_checks_for_remat_are_those_with_blocks():
 
 def test_a_clip_that_sees_part_of_the_particle_is_refused():
   """Under ``optax.masked`` (or first after a transform that drops leaves) the clip would norm one device's
-  blocks of some leaves: refused, naming what to do."""
+  blocks of some leaves: refused, naming what to do. A user's transformation that rejects the extra argument
+  ``shard_dims`` is updated without it."""
   dims = {"a": 0, "b": -1}  # "a" sharded along its first dimension, "b" whole
   tx = optax.masked(ipf_jax.spmd.optim.clip_by_global_norm(1.0), {"a": True, "b": False})
   tree = {"a": jnp.ones((3,)), "b": jnp.ones((2,))}
   with pytest.raises(ValueError, match=r"config.fsdp: clip_by_global_norm was given 1 leaves .* sharded in 2"):
     step_lib.update_sharded(tx, dims, tree, tx.init(tree), tree)
+  strict = optax.GradientTransformationExtraArgs(  # a user's transformation that takes no unknown extra argument
+    lambda p: optax.EmptyState(), lambda u, st, params=None, *, value=None: (jax.tree.map(lambda x: -x, u), st)
+  )
+  got, _ = step_lib.update_sharded(strict, dims, tree, strict.init(tree), tree)
+  jax.tree.map(np.testing.assert_array_equal, got, jax.tree.map(lambda x: -x, tree))
   whole = optax.chain(ipf_jax.spmd.optim.clip_by_global_norm(1.0))  # not sharded: optax's norm, the same numbers
   got, _ = step_lib.update_sharded(whole, None, tree, whole.init(tree), tree)
   want, _ = optax.clip_by_global_norm(1.0).update(tree, optax.EmptyState())
