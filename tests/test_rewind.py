@@ -43,6 +43,18 @@ def fault_once(fired: list, scale: float = 30.0):
   return hook
 
 
+def fault_then_sigterm(stop_step: int):
+  """``fault_once``, and SIGTERM to this process at ``stop_step`` (the run stops after it, saving)."""
+  fault = fault_once([])
+
+  def hook(step, state, batch):
+    if step == stop_step:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return fault(step, state, batch)
+
+  return hook
+
+
 def reference_rewind_step(losses, window, factor):
   """The first step (1-based) at which the rule fires, by a plain loop: an exponential average with weight
   1/window, its running minimum, and a count of consecutive steps with average > factor x minimum."""
@@ -128,15 +140,8 @@ def test_the_checkpoint_it_goes_back_to_predates_the_fault(tmp_path, capsys, sca
 def test_a_rewound_run_stopped_by_sigterm_resumes_to_the_same_state(tmp_path, rewind_on_resume):
   whole = tmp_path / "whole"
   trainer.train_and_evaluate(config(), str(whole), step_hook=fault_once([]))
-  fault = fault_once([])
-
-  def stop_at_55(step, state, batch):
-    if step == 55:
-      os.kill(os.getpid(), signal.SIGTERM)
-    return fault(step, state, batch)
-
   with pytest.raises(preemption.RunStopped):
-    trainer.train_and_evaluate(config(), str(tmp_path / "cut"), step_hook=stop_at_55)
+    trainer.train_and_evaluate(config(), str(tmp_path / "cut"), step_hook=fault_then_sigterm(55))
   assert {k: meta(tmp_path / "cut", 56)["rewind"][k] for k in ("count", "data_offset")} == {
     "count": 1,
     "data_offset": 10,
@@ -176,15 +181,8 @@ def test_rewind_config_errors_name_the_field(kw, match):
 def test_a_stop_inside_a_spike_is_judged_on_after_resume(tmp_path, capsys):
   """SIGTERM two steps into the spike: the stop's save is made (with a warning) and keeps the watch's numbers, so
   the resumed run still sees the spike and rewinds to the checkpoint before it."""
-  fault = fault_once([])
-
-  def stop_at_35(step, state, batch):
-    if step == 35:
-      os.kill(os.getpid(), signal.SIGTERM)
-    return fault(step, state, batch)
-
   with pytest.raises(preemption.RunStopped):
-    trainer.train_and_evaluate(config(), str(tmp_path), step_hook=stop_at_35)
+    trainer.train_and_evaluate(config(), str(tmp_path), step_hook=fault_then_sigterm(35))
   assert "step 36 is saved while the training loss is above rewind's line" in capsys.readouterr().out
   results = trainer.train_and_evaluate(config(), str(tmp_path))
   assert "rewound to the checkpoint of step 30" in capsys.readouterr().out
