@@ -43,8 +43,9 @@ def _run(config: ml_collections.ConfigDict) -> None:
                                        # points below the run's best (0 = off)
   config.rewind_max = 3                # rewind: at most this many in a run, then it stops with an error
   config.trackers = "tensorboard"      # where the run's scalars go, comma-separated: tensorboard | mlflow (its
-                                       # server from MLFLOW_TRACKING_URI; it also gets the config as parameters
-                                       # and, at the end, the fused model, results and pictures as artifacts)
+                                       # server from MLFLOW_TRACKING_URI) | wandb (WANDB_MODE, WANDB_PROJECT);
+                                       # each also gets the config as parameters and, at the end, the fused
+                                       # model, results and pictures as artifacts
 
 
 def _data(config: ml_collections.ConfigDict) -> None:
@@ -275,7 +276,7 @@ HOW = frozenset(
 )
 IDENTITY = ("mode", "num_particles", "init", "init_from", "init_particle", "init_reinit", "weigh_on", "sync")
 # config.trackers' names, each with the package it needs (pyproject.toml's extra of the same name; validation checks it)
-TRACKERS = {"tensorboard": None, "mlflow": "mlflow"}
+TRACKERS = {"tensorboard": None, "mlflow": "mlflow", "wandb": "wandb"}
 
 
 def on_resume(field: str) -> str:

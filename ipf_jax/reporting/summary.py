@@ -36,7 +36,7 @@ class SummaryWriter:
   """
 
   def __init__(self, workdir: str, flush_secs: float = 30.0, trackers=("tensorboard",), config=None):
-    """``trackers``: ``config.trackers`` parsed; an MLflow sink gets every scalar too (``reporting.trackers``)."""
+    """``trackers``: ``config.trackers`` parsed; MLflow and W&B sinks get every scalar too (``reporting.trackers``)."""
     self._writer, self.sinks = None, []
     self._flush_secs, self._last_flush = flush_secs, time.monotonic()
     if jax.process_index() == 0:

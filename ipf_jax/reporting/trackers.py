@@ -1,4 +1,4 @@
-"""Experiment trackers beside TensorBoard: MLflow (``config.trackers``; Weights & Biases is not built yet).
+"""Experiment trackers beside TensorBoard: MLflow and Weights & Biases (``config.trackers``).
 
 Each receives what the TensorBoard writer writes (every scalar at its step), the flattened config as parameters
 once, and at the end of a run its files as artifacts (the fused model, ``eval_results.json``, the report's
@@ -7,12 +7,16 @@ tracker run: its id is kept in ``WORKDIR/trackers.json``. A tracker that fails (
 and that tracker's later writes, never the run or a checkpoint.
 
   --config.trackers=tensorboard,mlflow      # MLflow's server from MLFLOW_TRACKING_URI, as its own clients read it
+  --config.trackers=tensorboard,wandb       # W&B's own settings from its environment (WANDB_MODE, WANDB_PROJECT,
+                                            # WANDB_ENTITY, WANDB_API_KEY); its local files under WORKDIR/wandb
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import sys
 import time
 
@@ -124,7 +128,44 @@ class MlflowSink(Sink):
     self.guard(self.client.set_terminated, self.run_id, "FINISHED" if finished else "KILLED")
 
 
-SINKS = {"mlflow": MlflowSink}
+class WandbSink(Sink):
+  """Weights & Biases through ``wandb.init`` (online, or ``WANDB_MODE=offline`` for ``wandb sync`` later; project
+  ``WANDB_PROJECT``, default ``ipf-jax``). Its files go under ``WORKDIR/wandb``; a resume continues the same run id
+  (``resume="allow"``). W&B keeps one value a step and refuses steps that go back (a replay after a rewind or a
+  SIGKILL resume): those it drops with its own warning."""
+
+  name = "wandb"
+
+  def __init__(self, workdir: str, config: dict, run_name: str):
+    super().__init__()
+    import wandb
+
+    resumed = _ids(workdir).get("wandb")
+    run_id = resumed or secrets.token_hex(4)  # W&B's ids: lower-case letters and digits
+    settings = wandb.Settings(console="off", quiet=True, save_code=False, disable_git=True)
+    self.run = wandb.init(
+      project=os.environ.get("WANDB_PROJECT", "ipf-jax"),
+      name=run_name,
+      id=run_id,
+      resume="allow",
+      dir=workdir,
+      config=None if resumed else config,  # the run's first config, as MLflow's parameters
+      settings=settings,
+    )
+    _keep_id(workdir, "wandb", run_id)
+
+  def scalars(self, step: int, values: dict) -> None:
+    self.guard(self.run.log, {k: float(v) for k, v in values.items()}, int(step))
+
+  def artifacts(self, paths: list[str]) -> None:
+    for path in paths:  # copies in the run's folder, which W&B uploads at the end (a symlink would follow a resume)
+      self.guard(shutil.copy2, path, os.path.join(self.run.dir, os.path.basename(path)))
+
+  def close(self, finished: bool) -> None:
+    self.guard(self.run.finish, 0 if finished else 1)
+
+
+SINKS = {"mlflow": MlflowSink, "wandb": WandbSink}
 
 
 def open_sinks(names, workdir: str, config: dict) -> list[Sink]:
