@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from configs import digits
+from ipf_jax.config import read
 from ipf_jax.errors import ConfigError
+from ipf_jax.reporting import report
 from ipf_jax.runtime import preemption, rewind, trainer
 from tests import helpers
 
@@ -138,16 +140,24 @@ def test_the_checkpoint_it_goes_back_to_predates_the_fault(tmp_path, capsys, sca
 
 @pytest.mark.parametrize("rewind_on_resume", [True, False])
 def test_a_rewound_run_stopped_by_sigterm_resumes_to_the_same_state(tmp_path, rewind_on_resume):
+  """With ``rewind_lr_factor=0.5``: after the rewind the rate is half the schedule's (the ``lr`` TensorBoard got
+  against the schedule), and the resumed run trains at that rate too (bit for bit)."""
   whole = tmp_path / "whole"
-  trainer.train_and_evaluate(config(), str(whole), step_hook=fault_once([]))
+  halved = lambda **kw: config(rewind_lr_factor=0.5, **kw)
+  trainer.train_and_evaluate(halved(), str(whole), step_hook=fault_once([]))
+  events = report.read_scalars(str(whole))["train/lr"]
+  schedule = read.learning_rate_fn(halved(), *read.train_steps(halved(), 1))
+  lr = {int(k): float(v) for k, v in zip(*events)}  # a replayed step: the value after the rewind
+  for k in (20, 30, 60, 75):  # the rate reported at step k is the one of update k - 1
+    np.testing.assert_allclose(lr[k], (0.5 if k > 30 else 1.0) * float(schedule(k - 1)), rtol=1e-5, err_msg=k)
   with pytest.raises(preemption.RunStopped):
-    trainer.train_and_evaluate(config(), str(tmp_path / "cut"), step_hook=fault_then_sigterm(55))
+    trainer.train_and_evaluate(halved(), str(tmp_path / "cut"), step_hook=fault_then_sigterm(55))
   assert {k: meta(tmp_path / "cut", 56)["rewind"][k] for k in ("count", "data_offset")} == {
     "count": 1,
     "data_offset": 10,
   }
   # the fault was met before the stop; with rewind off the resumed run still reads the data at the saved offset
-  trainer.train_and_evaluate(config(rewind=rewind_on_resume), str(tmp_path / "cut"))
+  trainer.train_and_evaluate(halved(rewind=rewind_on_resume), str(tmp_path / "cut"))
   saved = lambda w: helpers.load_checkpoint_numpy(os.path.join(w, "checkpoints", "80", "state"))
   jax.tree.map(np.testing.assert_array_equal, saved(str(whole)), saved(str(tmp_path / "cut")))
   saved = lambda w: {k: meta(w, 80)["rewind"][k] for k in ("count", "data_offset")}
@@ -170,6 +180,7 @@ def test_past_rewind_max_the_run_stops_with_one_error(tmp_path):
   [
     (dict(checkpoint_every_steps=0), "config.rewind: goes back to the newest checkpoint, but checkpoint_every"),
     (dict(rewind_accuracy_drop=-5.0), "config.rewind_accuracy_drop: -5.0 must be 0"),
+    (dict(rewind_lr_factor=2.0), r"config.rewind_lr_factor: 2.0 must be in \(0, 1\]"),
     (dict(rewind_accuracy_drop=5.0, eval_every_steps=10, checkpoint_every_steps=5), "set checkpoint_every_steps to a"),
   ],
 )

@@ -1,5 +1,7 @@
 """The SPMD train step against the plain reference (tests/reference.py) on several meshes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,13 +16,17 @@ MESHES = [(8, 1), (4, 2), (1, 8)]
 CASES = [(dp, dd, dp * n) for (dp, dd), ns in zip(MESHES, ((1, 2), (2, 4), (1, 4))) for n in ns]
 
 
-def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=None):
+def run_both(config, dp, dd, num_steps, poison=None, edit=None, minimum_scale=None, make_step=None):
   """Runs ``num_steps`` of the SPMD step and of the reference from the same initial state.
 
   ``poison``: NaN in that particle's parameters; ``edit(host_state)``: any other change to the
-  initial state, in both implementations; ``minimum_scale``: float16's lowest loss scale.
+  initial state, in both implementations; ``minimum_scale``: float16's lowest loss scale; ``make_step(setup)``:
+  the SPMD step to run instead of the config's.
   """
   s = helpers.Setup(config, dp, dd)
+  if make_step is not None:
+    step = make_step(s)
+    s.train_step = lambda state, batch: jax.block_until_ready(step(state, batch))
   if minimum_scale is not None:
     s.state = s.state.replace(dynamic_scale=s.state.dynamic_scale.replace(minimum_scale=minimum_scale))
   init = s.host_state()
@@ -257,6 +263,30 @@ def test_ensemble_mode_is_independent_particles(dp, dd, p):
   assert s.spec.temperature == 0 and s.spec.correction == 0 and not s.spec.resampling
   assert_same_run(s, ref, spmd, refr)
   np.testing.assert_allclose(np.exp(s.host_state().log_weights), 1.0 / p, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dp,dd", [(4, 2), (8, 1)])
+def test_a_step_composed_from_phases_does_what_its_phases_say(dp, dd):
+  """``make_train_step(..., phases=)``: the ensemble's update and no resampling, with a weighing that tempers at
+  tau = 2 (``reweigh`` under a spec with a temperature): every particle trains on its own gradient (the ensemble's
+  reference), and the weights are the tempered losses' (a numpy sum over the steps)."""
+  from ipf_jax.spmd import step as step_lib
+
+  tau, config = 2.0, helpers.tiny_config(num_particles=8, mode="ensemble")
+  phases = step_lib.Phases(weigh=step_lib.reweigh, update=step_lib.update_each, resample=None)
+  make = lambda s: step_lib.make_train_step(
+    s.task, s.tx, dataclasses.replace(s.spec, temperature=tau), s.mesh, phases=phases
+  )
+  s, ref, spmd, refr = run_both(config, dp, dd, num_steps=3, make_step=make)
+  for m, r in zip(spmd, refr):
+    np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-4, atol=1e-5)
+  params, _, opt_state = ref.stacked()
+  helpers.assert_close(s.host_state().params, params)
+  helpers.assert_close(s.host_state().opt_state, opt_state)
+  log_w = -tau * np.sum([np.asarray(r["loss"], np.float64) for r in refr], axis=0)
+  expected = np.exp(log_w - np.logaddexp.reduce(log_w))
+  np.testing.assert_allclose(np.exp(s.host_state().log_weights), expected, rtol=1e-3)
+  assert expected.max() > 1.5 / 8, "the weights must be far from uniform for the check to mean anything"
 
 
 @pytest.mark.parametrize("dp,dd,p,mode", [(4, 2, 8, "ipf"), (8, 1, 8, "ensemble")])

@@ -49,10 +49,19 @@ class Parts:
   diversity: Callable  # state -> [P] distances to the fused parameters (fuse's second output alone)
   fused_bn_fn: Callable
   outer: Optional[OuterSpec] = None  # the outer loop's settings (DESIGN.md §3b); None: the per-step filter
+  lr_factor: float = 1.0  # the learning rate is the schedule's times this (config.rewind_lr_factor after rewinds)
+  rebuild: Optional[Callable[[float], Callable]] = None  # lr_factor -> the train step at that factor
 
   def step_at(self, step: int) -> Callable:
     """The program that trains step ``step`` (the outer loop has two: local and sync; the host picks)."""
     return self.train_step.at(step) if self.outer is not None else self.train_step
+
+  def with_lr_factor(self, factor: float) -> "Parts":
+    """These parts with the train step recompiled for the learning rate times ``factor`` (``optim.scaled``: the
+    optimizer's updates scaled, its state's layout unchanged, so a checkpoint restores across factors)."""
+    if factor == self.lr_factor:
+      return self
+    return dataclasses.replace(self, train_step=self.rebuild(factor), lr_factor=factor)
 
 
 def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
@@ -114,7 +123,7 @@ def build(
   abstract, init = read.state_init(config, spec, task, tx, example, mesh, outer)
   if config.init_from:
     init = functools.partial(init, _start(config, task, example))
-  train_step = _train_step(task, tx, spec, outer, mesh, (total, warmup, lr_fn), optimizer, exchange)
+  rebuild = functools.partial(_train_step, task, tx, spec, outer, mesh, (total, warmup, lr_fn), optimizer, exchange)
   return Parts(
     config=config,
     task=task,
@@ -125,22 +134,26 @@ def build(
     tx=tx,
     abstract_state=abstract,
     init_state=init,
-    train_step=train_step,
+    train_step=rebuild(1.0),
     eval_step=eval_step.make_eval_step(task, mesh, spec.particle_loop),
     fuse=fusion.make_fuse_fn(mesh),
     diversity=fusion.make_diversity_fn(mesh),
     fused_bn_fn=fusion.make_fused_bn_fn(task, mesh, spec.particle_loop),
     outer=outer,
+    rebuild=rebuild,
   )
 
 
-def _train_step(task, tx, spec, outer, mesh, schedule, optimizer, exchange) -> Callable:
+def _train_step(task, tx, spec, outer, mesh, schedule, optimizer, exchange, lr_factor: float = 1.0) -> Callable:
   """The per-step filter's jitted step, or the outer loop's (``outer``: its syncs from the run's ``schedule``,
-  ``(total, warmup, lr_fn)``)."""
+  ``(total, warmup, lr_fn)``); ``lr_factor``: the optimizer's updates (and the reported rate) times it."""
   total, warmup, lr_fn = schedule
   reported = optim.reported_schedule(lr_fn, optimizer, spec)
+  if lr_factor != 1:
+    tx = optim.scaled(tx, lr_factor)
+    reported = None if reported is None else _times(reported, lr_factor)
   if outer is None:
-    return step_lib.make_train_step(task, tx, spec, mesh, reported, exchange)
+    return step_lib.make_train_step(task, tx, spec, mesh, reported, exchange, step_lib.preset(spec))
   cpu = jax.devices("cpu")[0]  # the schedule's numbers from one backend on every host and resume
 
   def lr_on_cpu(k: int) -> float:
@@ -151,6 +164,10 @@ def _train_step(task, tx, spec, outer, mesh, schedule, optimizer, exchange) -> C
     outer.sync, total, outer.sync_every, lr_on_cpu, warmup, outer.sync_qsr_alpha, outer.sync_swap_fraction
   )
   return outer_step.make_outer_train_step(task, tx, spec, outer, mesh, syncs, reported, exchange)
+
+
+def _times(schedule: optax.Schedule, factor: float) -> optax.Schedule:
+  return lambda step: factor * schedule(step)
 
 
 def _check_init(config: ml_collections.ConfigDict, task: Task, spec: ParticleSpec) -> None:

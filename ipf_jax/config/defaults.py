@@ -42,6 +42,8 @@ def _run(config: ml_collections.ConfigDict) -> None:
   config.rewind_accuracy_drop = 0.0    # rewind: also when the periodic evaluation's accuracy falls this many
                                        # points below the run's best (0 = off)
   config.rewind_max = 3                # rewind: at most this many in a run, then it stops with an error
+  config.rewind_lr_factor = 1.0        # rewind: the learning rate is multiplied by this at each rewind (the
+                                       # schedule times factor ** rewinds; 1: kept, as PaLM kept it)
   config.trackers = "tensorboard"      # where the run's scalars go, comma-separated: tensorboard | mlflow (its
                                        # server from MLFLOW_TRACKING_URI) | wandb (WANDB_MODE, WANDB_PROJECT);
                                        # each also gets the config as parameters and, at the end, the fused
@@ -256,6 +258,7 @@ HOW = frozenset(
     "rewind_loss_factor",
     "rewind_accuracy_drop",
     "rewind_max",
+    "rewind_lr_factor",
     "eval_every_steps",
     "checkpoint_every_steps",
     "checkpoint_every_minutes",

@@ -58,6 +58,8 @@ class Training:
     self.state, self.newest, self.interrupted, self.step_hook = state, newest, interrupted, step_hook
     self.start = int(state.step)
     self.watch: Optional[rewind_lib.Watch] = watch  # config.rewind; None: off
+    if watch is not None:  # a resumed run trains at the rate its rewinds left (config.rewind_lr_factor)
+      run.parts = run.parts.with_lr_factor(watch.lr_scale)
 
   def run_steps(self):
     t_start = time.perf_counter()
@@ -134,16 +136,19 @@ class Training:
       raise rewind_lib.DivergedError(f"step {due.step}: {due.reason}, and every checkpoint was saved inside the spike")
     state, _ = restored
     self.watch.rewound(read_to, int(state.step), self.run.config.rewind_max)
+    self.run.parts = self.run.parts.with_lr_factor(self.watch.lr_scale)
     self.state, self.newest = state, int(state.step)
     self._clock = (time.perf_counter(), self.newest)  # the next progress line's rate counts from the restore
     log.warning(
-      "step %d: %s; rewound to the checkpoint of step %d, skipping the %d batches read since (rewind %d of at most %d)",
+      "step %d: %s; rewound to the checkpoint of step %d, skipping the %d batches read since (rewind %d of at most "
+      "%d)%s",
       due.step,
       due.reason,
       self.newest,
       read_to - self.newest,
       self.watch.count,
       self.run.config.rewind_max,
+      "" if self.watch.lr_factor == 1 else f"; the learning rate is now x{self.watch.lr_scale:g} the schedule's",
     )
     self.writer.scalars(due.step, {"train/rewinds": self.watch.count})
 

@@ -45,6 +45,7 @@ class Watch:
   best_accuracy: float = -math.inf
   enabled: bool = True
   last_nonfinite: bool = False
+  lr_factor: float = 1.0  # config.rewind_lr_factor: the learning rate times this at each rewind
 
   @classmethod
   def from_config(cls, config, saved: Optional[dict] = None) -> Optional["Watch"]:
@@ -65,7 +66,13 @@ class Watch:
       above=int(saved.get("above", 0)),
       best_accuracy=-math.inf if best is None else float(best),
       enabled=bool(config.rewind),
+      lr_factor=float(config.rewind_lr_factor),
     )
+
+  @property
+  def lr_scale(self) -> float:
+    """The learning rate's factor after the rewinds so far: ``rewind_lr_factor ** count``."""
+    return self.lr_factor**self.count
 
   @property
   def suspect(self) -> bool:

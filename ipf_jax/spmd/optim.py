@@ -108,6 +108,21 @@ def resolve(
   return optimizer if isinstance(optimizer, optax.GradientTransformation) else optimizer(lr_fn)
 
 
+def scaled(tx: optax.GradientTransformation, factor: float) -> optax.GradientTransformation:
+  """``tx`` with its updates multiplied by ``factor``, its state unchanged: the learning rate times ``factor`` for
+  an optimizer whose update is proportional to it (optax's SGD, momentum, Adam, AdamW with its decoupled decay,
+  LAMB, LARS). Extra arguments (``SHARD_DIMS``) are handed on."""
+  if factor == 1:
+    return tx
+  inner = optax.with_extra_args_support(tx)
+
+  def update(updates, state, params=None, **extra):
+    updates, state = inner.update(updates, state, params, **extra)
+    return jax.tree.map(lambda u: factor * u, updates), state
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
 def given(optimizer: Optional[Optimizer], tx: Optional[optax.GradientTransformation]) -> Optional[Optimizer]:
   """The one optimizer a library call was given, as ``optimizer=`` or ``tx=``."""
   if optimizer is not None and tx is not None:

@@ -288,35 +288,51 @@ def update_sharded(tx: optax.GradientTransformation, dims, directions, opt_state
 def correct_and_update(
   tx: optax.GradientTransformation, spec: ParticleSpec, dp: int, state: ParticleState, g: Gradients, weights, dims=None
 ):
-  """``d_i = (1 - lambda) g_i + lambda sum_j w_j g_j`` (optionally compressed, with error feedback),
-  ``theta_i, mu_i <- opt(d_i, mu_i, theta_i)``, then the optional elastic pull
+  """The filter's phase 3: ``d_i = (1 - lambda) g_i + lambda sum_j w_j g_j`` (optionally compressed, with error
+  feedback), ``theta_i, mu_i <- opt(d_i, mu_i, theta_i)`` (``update_each``), then the optional elastic pull
   ``theta_i <- (1 - alpha) theta_i + alpha sum_j w_j theta_j`` (on steps ``k, 2k, ...`` with
-  ``elastic_pull_every = k``). Shared parameters take one update with
-  the weighted consensus gradient (lambda = 1 for them).
-
-  ``config.fsdp``: the leaves are shards (``dims``), each updated on its own (an element-wise optimizer).
-
-  Returns ``(particle, shared_params, shared_opt_state)`` with ``particle = (params, batch_stats,
-  opt_state, residual)``: everything that moves with a particle in resampling.
-  """
+  ``elastic_pull_every = k``)."""
   residual = state.residual
   if spec.compress_correction and dp > 1:
     consensus, residual = compression.compressed_consensus(g.grads, weights, residual, PARTICLE, dp)
     directions = correction.mix(g.grads, consensus, spec.correction)
   else:
     directions = correction.correct(g.grads, weights, spec.correction, PARTICLE)
-  updates, opt_state = jax.vmap(functools.partial(update_sharded, tx, dims))(directions, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  updated, shared, shared_opt_state = update_each(tx, spec, dp, state, g, weights, dims, directions)
+  params, batch_stats, opt_state, _ = updated
   if spec.elastic_pull and spec.elastic_pull_every > 1:  # a gentle pull: every k-th step only, its psum skipped
     pull = lambda p: correction.correct(p, weights, spec.elastic_pull, PARTICLE)
     params = lax.cond((state.step + 1) % spec.elastic_pull_every == 0, pull, lambda p: p, params)
   else:
     params = correction.correct(params, weights, spec.elastic_pull, PARTICLE)
+  return (params, batch_stats, opt_state, residual), shared, shared_opt_state
+
+
+def update_each(
+  tx: optax.GradientTransformation,
+  spec: ParticleSpec,
+  dp: int,
+  state: ParticleState,
+  g: Gradients,
+  weights,
+  dims=None,
+  directions=None,
+):
+  """Phase 3 without a correction (``ddp``, ``ensemble``): ``theta_i, mu_i <- opt(d_i, mu_i, theta_i)`` with
+  ``d_i`` the particle's own gradient (or ``directions``). Shared parameters take one update with the weighted
+  consensus gradient (lambda = 1 for them). ``config.fsdp``: the leaves are shards (``dims``), each updated on its
+  own (an element-wise optimizer).
+
+  Returns ``(particle, shared_params, shared_opt_state)`` with ``particle = (params, batch_stats, opt_state,
+  residual)``: everything that moves with a particle in resampling."""
+  directions = g.grads if directions is None else directions
+  updates, opt_state = jax.vmap(functools.partial(update_sharded, tx, dims))(directions, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
   shared_updates, shared_opt_state = tx.update(
     correction.weighted_sum(g.shared_grads, weights, PARTICLE), state.shared_opt_state, state.shared_params
   )
   shared_params = optax.apply_updates(state.shared_params, shared_updates)
-  return (params, g.batch_stats, opt_state, residual), shared_params, shared_opt_state
+  return (params, g.batch_stats, opt_state, state.residual), shared_params, shared_opt_state
 
 
 # ---- 4. commit and 5. resample --------------------------------------------------------------------------------
@@ -449,6 +465,28 @@ def count(state: ParticleState, new_state: ParticleState, ok, overflow, resample
   )
 
 
+class Phases(NamedTuple):
+  """The per-step program's phases 2, 3 and 5 as functions, handed to ``local_step`` the way blackjax's SMC step
+  takes its update, weight and resample functions: each mode is a preset (``INDEPENDENT``, ``FILTER``; the outer
+  loop is its own pair of programs, ``outer_step``), and a library user may hand ``make_train_step`` others of
+  the same signatures."""
+
+  weigh: Callable  # (spec, state, g, dims) -> (numbers [P], all_log_w [P], tau): ``reweigh``
+  update: Callable  # (tx, spec, dp, state, g, weights [L], dims) -> (particle, shared_params, shared_opt_state)
+  resample: Optional[Callable]  # (spec, dp, state, key, all_log_w, decide, sigma, exchange, dims) -> (state, src)
+
+
+# ddp and ensemble: the weights only observe (temperature 0: a culled particle's is -inf), no correction, no
+# resampling. ipf with sync='step' (the seed's literal reading): the filter every step.
+INDEPENDENT = Phases(weigh=reweigh, update=update_each, resample=None)
+FILTER = Phases(weigh=reweigh, update=correct_and_update, resample=resample_phase)
+
+
+def preset(spec: ParticleSpec) -> Phases:
+  """The mode's phases: ``FILTER`` where the spec resamples (ipf with several particles), else ``INDEPENDENT``."""
+  return FILTER if spec.resampling else INDEPENDENT
+
+
 class StepParts(NamedTuple):
   """What a train step is built from: ``make_train_step``'s arguments, ``dp`` the mesh's particle axis."""
 
@@ -458,6 +496,7 @@ class StepParts(NamedTuple):
   dp: int
   lr_fn: Optional[optax.Schedule]
   exchange: exchange_lib.Exchange
+  phases: Phases
   dims: Any = None  # fsdp.dims_of the parameters (config.fsdp: which are sharded over "data"), set when traced
 
 
@@ -466,11 +505,9 @@ def local_step(c: StepParts, state: ParticleState, batch):
   spec, scaling = c.spec, loss_scaling.of(state)
   step_key = jax.random.fold_in(state.rng, state.step)
   g = gradients(c.task, spec, state, batch, step_key, c.dims)  # 1
-  numbers, all_log_w, temperature = reweigh(spec, state, g, c.dims)  # 2
+  numbers, all_log_w, temperature = c.phases.weigh(spec, state, g, c.dims)  # 2
   log_w = local_slice(all_log_w, state.log_weights.shape[0])
-  particle, shared_params, shared_opt_state = correct_and_update(
-    c.tx, spec, c.dp, state, g, jnp.exp(log_w), c.dims
-  )  # 3
+  particle, shared_params, shared_opt_state = c.phases.update(c.tx, spec, c.dp, state, g, jnp.exp(log_w), c.dims)  # 3
   ess = pf.ess(all_log_w, spec.islands)
   num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
   # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
@@ -479,10 +516,10 @@ def local_step(c: StepParts, state: ParticleState, batch):
   new_state = commit(state, ok, particle, log_w, shared_params, shared_opt_state)
   # 5. Resample the committed population (skipped steps never resample).
   resampled, src = jnp.zeros((), bool), jnp.arange(spec.num_particles, dtype=jnp.int32)
-  if spec.resampling:
+  if c.phases.resample is not None:
     resampled = resample_decision(spec, state.step, ess, num_alive) & ok
     sigma = jitter_sigma(spec, c.lr_fn, state.step)
-    new_state, src = resample_phase(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange, c.dims)
+    new_state, src = c.phases.resample(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange, c.dims)
   new_state = scaling.count(state, count(state, new_state, ok, overflow, resampled), scale, overflow)
   outcome = Outcome(numbers, all_log_w, ess, num_alive, resampled, src, temperature, overflow)
   return new_state, step_metrics(spec, scaling, outcome, None if c.lr_fn is None else c.lr_fn(updates_done(state)))
@@ -495,6 +532,7 @@ def make_train_step(
   mesh: jax.sharding.Mesh,
   lr_fn: Optional[optax.Schedule] = None,
   exchange: Optional[exchange_lib.Exchange] = None,
+  phases: Optional[Phases] = None,
 ) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``, one jitted SPMD program.
 
@@ -504,11 +542,11 @@ def make_train_step(
   with it the metrics hold ``lr``, the schedule at the optimizer's count (``updates_done``: steps skipped
   whole apply no update, so the count lags ``state.step`` by them). ``exchange`` moves resampled particles
   (``population.exchange.Exchange``; default ``population.exchange.exchange_fn(spec.resample_exchange)``; unused
-  where ``spec.resampling`` is off: ensemble, DDP).
+  where ``spec.resampling`` is off: ensemble, DDP). ``phases``: the weighing, update and resampling (``Phases``;
+  default the mode's preset, ``preset(spec)``).
   """
-  parts = StepParts(
-    task, tx, spec, mesh.shape[PARTICLE], lr_fn, exchange or exchange_lib.exchange_fn(spec.resample_exchange)
-  )
+  exchange = exchange or exchange_lib.exchange_fn(spec.resample_exchange)
+  parts = StepParts(task, tx, spec, mesh.shape[PARTICLE], lr_fn, exchange, phases or preset(spec))
 
   def local(dims, state, batch):
     return local_step(parts._replace(dims=dims), state, batch)
