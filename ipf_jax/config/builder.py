@@ -61,6 +61,8 @@ class Parts:
     optimizer's updates scaled, its state's layout unchanged, so a checkpoint restores across factors)."""
     if factor == self.lr_factor:
       return self
+    if self.rebuild is None:
+      raise ValueError("config.rewind_lr_factor: these Parts were not made by build(), which can recompile the step")
     return dataclasses.replace(self, train_step=self.rebuild(factor), lr_factor=factor)
 
 
@@ -123,7 +125,7 @@ def build(
   abstract, init = read.state_init(config, spec, task, tx, example, mesh, outer)
   if config.init_from:
     init = functools.partial(init, _start(config, task, example))
-  rebuild = functools.partial(_train_step, task, tx, spec, outer, mesh, (total, warmup, lr_fn), optimizer, exchange)
+  rebuild = functools.partial(_train_step, task, config, spec, outer, mesh, (total, warmup, lr_fn), optimizer, exchange)
   return Parts(
     config=config,
     task=task,
@@ -144,14 +146,20 @@ def build(
   )
 
 
-def _train_step(task, tx, spec, outer, mesh, schedule, optimizer, exchange, lr_factor: float = 1.0) -> Callable:
+def _train_step(task, config, spec, outer, mesh, schedule, optimizer, exchange, lr_factor: float = 1.0) -> Callable:
   """The per-step filter's jitted step, or the outer loop's (``outer``: its syncs from the run's ``schedule``,
-  ``(total, warmup, lr_fn)``); ``lr_factor``: the optimizer's updates (and the reported rate) times it."""
+  ``(total, warmup, lr_fn)``, unscaled). ``lr_factor`` (``config.rewind_lr_factor`` after rewinds): the optimizer
+  built on the schedule times it (a transformation with its own schedule: its updates scaled, ``optim.scaled``);
+  the state's layout is the same at every factor."""
   total, warmup, lr_fn = schedule
+  if lr_factor == 1:
+    tx = read.optimizer(config, lr_fn, optimizer)
+  elif isinstance(optimizer, optax.GradientTransformation):
+    tx = optim.scaled(optimizer, lr_factor)
+  else:
+    tx = read.optimizer(config, _times(lr_fn, lr_factor), optimizer)
   reported = optim.reported_schedule(lr_fn, optimizer, spec)
-  if lr_factor != 1:
-    tx = optim.scaled(tx, lr_factor)
-    reported = None if reported is None else _times(reported, lr_factor)
+  reported = reported if reported is None or lr_factor == 1 else _times(reported, lr_factor)
   if outer is None:
     return step_lib.make_train_step(task, tx, spec, mesh, reported, exchange, step_lib.preset(spec))
   cpu = jax.devices("cpu")[0]  # the schedule's numbers from one backend on every host and resume

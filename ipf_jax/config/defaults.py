@@ -46,8 +46,8 @@ def _run(config: ml_collections.ConfigDict) -> None:
                                        # schedule times factor ** rewinds; 1: kept, as PaLM kept it)
   config.trackers = "tensorboard"      # where the run's scalars go, comma-separated: tensorboard | mlflow (its
                                        # server from MLFLOW_TRACKING_URI) | wandb (WANDB_MODE, WANDB_PROJECT);
-                                       # each also gets the config as parameters and, at the end, the fused
-                                       # model, results and pictures as artifacts
+                                       # mlflow and wandb also get the config as parameters and, at the
+                                       # end, the fused model, results and pictures as artifacts
 
 
 def _data(config: ml_collections.ConfigDict) -> None:

@@ -121,6 +121,8 @@ TRACKER_PACKAGES = defaults.TRACKERS
 
 def _validate_rewind(config) -> None:
   """``config.rewind`` goes back to checkpoints: it needs them, and a spike rule that can be met."""
+  factor = config.rewind_lr_factor
+  _check(0 < factor <= 1, "rewind_lr_factor", f"{factor} must be in (0, 1]: 1 keeps the rate, 0.5 halves it at each")
   if not config.rewind:
     return
   _check(
@@ -136,8 +138,6 @@ def _validate_rewind(config) -> None:
     f"{config.rewind_loss_factor} must be above 1: the loss's average is compared with factor x its lowest (e.g. 2)",
   )
   _check(config.rewind_max >= 0, "rewind_max", f"{config.rewind_max} must be 0 or more")
-  factor = config.rewind_lr_factor
-  _check(0 < factor <= 1, "rewind_lr_factor", f"{factor} must be in (0, 1]: 1 keeps the rate, 0.5 halves it at each")
   drop, every = config.rewind_accuracy_drop, config.eval_every_steps
   _check(drop >= 0, "rewind_accuracy_drop", f"{drop} must be 0 (off) or a drop in points, e.g. 5")
   _check(

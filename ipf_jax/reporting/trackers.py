@@ -142,7 +142,8 @@ class WandbSink(Sink):
 
     resumed = _ids(workdir).get("wandb")
     run_id = resumed or secrets.token_hex(4)  # W&B's ids: lower-case letters and digits
-    settings = wandb.Settings(console="off", quiet=True, save_code=False, disable_git=True)
+    # login_timeout: a run started at a terminal without W&B's credentials waits at most this long at its prompt
+    settings = wandb.Settings(console="off", quiet=True, save_code=False, disable_git=True, login_timeout=60)
     self.run = wandb.init(
       project=os.environ.get("WANDB_PROJECT", "ipf-jax"),
       name=run_name,

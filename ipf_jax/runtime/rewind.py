@@ -46,6 +46,7 @@ class Watch:
   enabled: bool = True
   last_nonfinite: bool = False
   lr_factor: float = 1.0  # config.rewind_lr_factor: the learning rate times this at each rewind
+  lr_scale: float = 1.0  # the learning rate's factor now: the product of the factors of the rewinds so far
 
   @classmethod
   def from_config(cls, config, saved: Optional[dict] = None) -> Optional["Watch"]:
@@ -67,12 +68,8 @@ class Watch:
       best_accuracy=-math.inf if best is None else float(best),
       enabled=bool(config.rewind),
       lr_factor=float(config.rewind_lr_factor),
+      lr_scale=float(saved.get("lr_scale", 1.0)),  # saved, so a resume with another factor changes later rewinds only
     )
-
-  @property
-  def lr_scale(self) -> float:
-    """The learning rate's factor after the rewinds so far: ``rewind_lr_factor ** count``."""
-    return self.lr_factor**self.count
 
   @property
   def suspect(self) -> bool:
@@ -80,12 +77,13 @@ class Watch:
     return self.enabled and self.above > 0
 
   def record(self) -> dict:
-    """What a checkpoint keeps of the watch: the count, the data offset and the loss's statistics (a run stopped
-    inside a spike judges it on when resumed)."""
+    """What a checkpoint keeps of the watch: the count, the data offset, the learning rate's factor and the loss's
+    statistics (a run stopped inside a spike judges it on when resumed)."""
     finite = lambda x: None if x is None or not math.isfinite(x) else float(x)
     return {
       "count": self.count,
       "data_offset": self.data_offset,
+      "lr_scale": self.lr_scale,
       "average": finite(self.average),
       "lowest": finite(self.lowest),
       "above": self.above,
@@ -136,5 +134,6 @@ class Watch:
         f"(step {to_step}) is kept."
       )
     self.count += 1
+    self.lr_scale *= self.lr_factor
     self.data_offset += from_step - to_step
     self.average, self.above = None, 0

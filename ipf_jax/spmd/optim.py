@@ -109,9 +109,10 @@ def resolve(
 
 
 def scaled(tx: optax.GradientTransformation, factor: float) -> optax.GradientTransformation:
-  """``tx`` with its updates multiplied by ``factor``, its state unchanged: the learning rate times ``factor`` for
-  an optimizer whose update is proportional to it (optax's SGD, momentum, Adam, AdamW with its decoupled decay,
-  LAMB, LARS). Extra arguments (``SHARD_DIMS``) are handed on."""
+  """``tx`` with its updates multiplied by ``factor``, its state unchanged: for a transformation that brings its own
+  schedule, the nearest to its learning rate times ``factor`` (exact where the update is proportional to the rate
+  and no state is kept after it: SGD, Adam, AdamW; not for adafactor's weight decay or LARS's momentum, which
+  come after the rate). Extra arguments (``SHARD_DIMS``) are handed on."""
   if factor == 1:
     return tx
   inner = optax.with_extra_args_support(tx)

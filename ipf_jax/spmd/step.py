@@ -483,8 +483,10 @@ FILTER = Phases(weigh=reweigh, update=correct_and_update, resample=resample_phas
 
 
 def preset(spec: ParticleSpec) -> Phases:
-  """The mode's phases: ``FILTER`` where the spec resamples (ipf with several particles), else ``INDEPENDENT``."""
-  return FILTER if spec.resampling else INDEPENDENT
+  """The mode's phases: ``FILTER`` where the spec resamples (ipf with several particles) or mixes the particles
+  (a correction or an elastic pull, which a library user's spec may ask for without resampling), else
+  ``INDEPENDENT``."""
+  return FILTER if spec.resampling or spec.correction or spec.elastic_pull else INDEPENDENT
 
 
 class StepParts(NamedTuple):
