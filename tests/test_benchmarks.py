@@ -104,7 +104,7 @@ def test_fsdp_memory_benchmark_tiny():
 
 def test_precision_benchmark_tiny():
   s = run_module(
-    "benchmarks.precision_digits",
+    "studies.precision_digits",
     "--seeds",
     "1",
     "--steps",
@@ -123,7 +123,7 @@ def test_precision_benchmark_tiny():
 
 def test_fused_bn_benchmark_tiny():
   s = run_module(
-    "benchmarks.fused_bn_digits", "--seeds", "1", "--steps", "6", "--batches", "2", "--cnn_features", "4,8", devices=8
+    "studies.fused_bn_digits", "--seeds", "1", "--steps", "6", "--batches", "2", "--cnn_features", "4,8", devices=8
   )
   assert len(s["results"]) == 3
   assert all(0 <= r["fused_bn_acc"] <= 1 and r["fused_bn_nll"] > 0 for r in s["results"].values())
@@ -151,7 +151,7 @@ def test_placement_benchmark_tiny():
 def test_uncertainty_benchmark_tiny_with_a_calibration_set():
   method = "ipf correction=0 + islands=4 + init=independent (ess_threshold=0.9)"
   s = run_module(
-    "benchmarks.uncertainty_digits",
+    "studies.uncertainty_digits",
     "--seeds",
     "1",
     "--steps",
@@ -194,9 +194,9 @@ def test_cpu_collectives_tiny():
 
 
 def test_fashion_mnist_study_method_names_survive_the_comma_list():
-  from benchmarks import fashion_mnist
+  from studies import fashion_mnist
 
-  from benchmarks import fashion_mnist_finetune
+  from studies import fashion_mnist_finetune
 
   names = [*fashion_mnist.METHODS, *fashion_mnist_finetune.METHODS, *fashion_mnist_finetune.TRANSFER]
   assert not [m for m in names if "," in m], "--methods is a comma list: a name cannot hold one"
@@ -208,7 +208,7 @@ def test_fashion_mnist_study_s_small_vit_is_the_zoo_s_vit_resized():
   import jax
   import jax.numpy as jnp
 
-  from benchmarks import fashion_mnist
+  from studies import fashion_mnist
   from configs import fashion_mnist_vit
 
   config = fashion_mnist_vit.get_config()
@@ -243,7 +243,7 @@ def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
     "--picture",
     str(tmp_path / "c.png"),
   )
-  s = run_module("benchmarks.fashion_mnist", *args, devices=8)
+  s = run_module("studies.fashion_mnist", *args, devices=8)
   (r,) = s["rows"]
   assert r["method"] == "ipf ess_target=0.5" and [json.loads(line) for line in open(out)] == [r]
   head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -256,7 +256,7 @@ def test_fashion_mnist_study_tiny(fashion_dir, tmp_path):
   assert r["steps"] == 4 and r["curve"][-1] == [4, r["ens_acc"]] and 0 < r["ood_digits"] < 1
   assert 0 <= r["shift_ens_ece"] <= 1 and 0 < r["ood_photos"] < 1 and 0 <= r["resample_rate"] <= 1
   assert (tmp_path / "c.png").stat().st_size > 0
-  again = run_module("benchmarks.fashion_mnist", *args, "--resume", devices=8)  # its row is there: not rerun
+  again = run_module("studies.fashion_mnist", *args, "--resume", devices=8)  # its row is there: not rerun
   assert again["rows"] == [r]
 
 
@@ -268,7 +268,7 @@ def test_fashion_mnist_finetune_tiny(fashion_dir, tmp_path):
   out = str(tmp_path / "rows.jsonl")
   methods = "ddp from scratch (no pre-training),deep ensemble of fine-tunes (fresh heads)"
   digits = (*common, "--target", "digits", "--epochs", "0.2", "--pre_epochs", "0.01", "--out", out)
-  s, stdout = run_module("benchmarks.fashion_mnist_finetune", *digits, "--methods", methods, devices=8, output=True)
+  s, stdout = run_module("studies.fashion_mnist_finetune", *digits, "--methods", methods, devices=8, output=True)
   scratch, ensemble = s["rows"]
   assert (scratch["method"], ensemble["method"]) == tuple(methods.split(","))
   assert scratch["target"] == ensemble["target"] == "digits"
@@ -284,7 +284,7 @@ def test_fashion_mnist_finetune_tiny(fashion_dir, tmp_path):
 
   # resumed with another pre-training: the scratch row is still this set-up's, the fine-tune's is not
   again, stdout = run_module(
-    "benchmarks.fashion_mnist_finetune",
+    "studies.fashion_mnist_finetune",
     *digits[:-4],
     "--pre_epochs",
     "0.02",
@@ -299,7 +299,7 @@ def test_fashion_mnist_finetune_tiny(fashion_dir, tmp_path):
   assert again["rows"] == [scratch] and "pre-trained" not in stdout, "nothing left to run: nothing pre-trained"
 
   s = run_module(
-    "benchmarks.fashion_mnist_finetune",
+    "studies.fashion_mnist_finetune",
     *common,
     "--steps",
     "4",
@@ -320,7 +320,7 @@ def test_transfer_digits_reach_the_model_as_the_pipeline_feeds_fashion_mnist(fas
   preprocessing, as when it reads the digits as an OOD set of Fashion-MNIST): the scale pre-training saw."""
   import numpy as np
 
-  from benchmarks import fashion_mnist_finetune
+  from studies import fashion_mnist_finetune
   from ipf_jax.data import digits, tfds_input
 
   like = tfds_input.TFDSDataset("fashion_mnist", fashion_dir, image_size=28, small_images=True)
@@ -360,10 +360,10 @@ def test_fashion_mnist_input_tiny(fashion_dir):
   [
     ("benchmarks.fsdp_memory", ["--blocks", "--no-compile"], "--blocks compares the compiled step's peaks"),
     ("benchmarks.fsdp_memory", ["--live", "5"], "--live reads what sets the peaks --blocks compiles"),
-    ("benchmarks.fashion_mnist", ["--vit", "64,6,0,7"], "four positive integers"),
-    ("benchmarks.fashion_mnist", ["--vit", "64,6,4,7", "--cnn_features", "4,8"], "give one of them"),
-    ("benchmarks.fashion_mnist", ["--vit", "64,6,5,7"], "the width 64 must be a multiple of the heads 5"),
-    ("benchmarks.fashion_mnist", ["--vit", "64,6,4,8"], "the patch 8 must divide"),
+    ("studies.fashion_mnist", ["--vit", "64,6,0,7"], "four positive integers"),
+    ("studies.fashion_mnist", ["--vit", "64,6,4,7", "--cnn_features", "4,8"], "give one of them"),
+    ("studies.fashion_mnist", ["--vit", "64,6,5,7"], "the width 64 must be a multiple of the heads 5"),
+    ("studies.fashion_mnist", ["--vit", "64,6,4,8"], "the patch 8 must divide"),
   ],
 )
 def test_benchmark_arguments_that_cannot_run_are_refused(module, args, message):

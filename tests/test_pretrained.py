@@ -1,6 +1,8 @@
 """A population started from one checkpoint (config.init_from, init_reinit): what is loaded, what starts
 fresh, and the errors for files that do not fit, against the values read back with numpy."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -135,8 +137,17 @@ def test_one_particle_of_another_runs_newest_checkpoint(tmp_path):
   )
   with pytest.raises(ConfigError, match="config.init_particle: must be < 4"):
     first_state(config_for(init_from=str(tmp_path), init_particle=4))
-  with pytest.raises(ConfigError, match="config.init_particle: .*holds no checkpoint"):
+  with pytest.raises(ConfigError, match="config.init_particle: .*holds no whole checkpoint"):
     first_state(config_for(init_from=str(tmp_path / "checkpoints" / "nowhere"), init_particle=0))
+  # The newest damaged (a file cut short): the older one (all zeros) is read, as a resume would.
+  listed = json.load(open(tmp_path / "checkpoints" / "5" / "files.json"))
+  largest = max(listed, key=listed.get)
+  open(tmp_path / "checkpoints" / "5" / largest, "r+b").truncate(listed[largest] // 2)
+  started, _ = first_state(config_for(init_from=str(tmp_path), init_particle=2))
+  assert all(not np.any(x) for x in jax.tree.leaves(started.params)), "step 3's particle, not the damaged step 5's"
+  open(tmp_path / "checkpoints" / "3" / "files.json", "w").write('{"missing": 1}')
+  with pytest.raises(ConfigError, match=r"holds no whole checkpoint .*only damaged ones \(step 5: .* step 3: missing"):
+    first_state(config_for(init_from=str(tmp_path), init_particle=2))
 
 
 @pytest.mark.parametrize("saved_scan,model_scan", [(False, True), (True, False)])

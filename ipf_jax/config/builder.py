@@ -119,9 +119,8 @@ def build(
   spec = spec or validation.particle_spec(config)
   _check_init(config, task, spec)
   total, warmup = read.train_steps(config, steps_per_epoch)
-  lr_fn = read.learning_rate_fn(config, total, warmup)
+  lr_fn, outer = read.learning_rate_fn(config, total, warmup), sync_lib.outer_spec(config)
   tx = read.optimizer(config, lr_fn, optimizer)
-  outer = sync_lib.outer_spec(config)
   abstract, init = read.state_init(config, spec, task, tx, example, mesh, outer)
   if config.init_from:
     init = functools.partial(init, _start(config, task, example))

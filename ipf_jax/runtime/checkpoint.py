@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ipf_jax import files
 from ipf_jax.runtime import quiet
 from ipf_jax.runtime import workdir as workdir_lib
 from ipf_jax.runtime.compatibility import CheckpointError, Signature, check_compatible, signature
@@ -48,8 +49,7 @@ from ipf_jax.spmd import mesh as mesh_lib
 log = logging.getLogger("ipf_jax")
 
 ASIDE_SUFFIX = ".unreadable"
-FILE_LIST = "files.json"  # in each checkpoint: {relative path: size in bytes} of its files, once committed
-_METADATA_FILES = ("meta/metadata", "state/_METADATA")  # what a checkpoint without FILE_LIST must parse
+FILE_LIST, list_files, damage = files.FILE_LIST, files.list_files, files.damage  # one reader, init_from's too
 
 
 class SaveError(CheckpointError):
@@ -98,43 +98,6 @@ def _unreadable(error: BaseException) -> Optional[str]:
   return None
 
 
-def list_files(path: str) -> dict[str, int]:
-  """``{relative path: size}`` of every file under ``path`` but ``FILE_LIST`` (and NFS's ``.nfs*`` files)."""
-  out = {}
-  for root, _, files in os.walk(path):
-    for f in files:
-      rel = os.path.relpath(os.path.join(root, f), path)
-      if rel != FILE_LIST and not f.startswith(".nfs"):
-        out[rel] = os.path.getsize(os.path.join(root, f))
-  return out
-
-
-def damage(path: str) -> Optional[str]:
-  """Why the checkpoint at ``path`` is not what was written, from its files alone; ``None``: it looks whole."""
-  listed, written = os.path.join(path, FILE_LIST), None
-  if os.path.isfile(listed):
-    try:
-      with open(listed) as f:
-        written = json.load(f)
-    except (OSError, ValueError):
-      written = None  # the list itself damaged: judged as a checkpoint without one
-  if isinstance(written, dict):
-    for rel, size in sorted(written.items()):
-      full = os.path.join(path, rel)
-      if not os.path.isfile(full):
-        return f"{rel} is missing"
-      if os.path.getsize(full) != size:
-        return f"{rel} holds {os.path.getsize(full)} bytes, written as {size} (truncated or changed)"
-    return None
-  for rel in _METADATA_FILES:  # no list: a checkpoint cut off right after its commit
-    try:
-      with open(os.path.join(path, rel)) as f:
-        json.load(f)
-    except (OSError, ValueError) as e:
-      return f"{rel} cannot be read ({type(e).__name__})"
-  return None
-
-
 def _particle_devices(state) -> int:
   """``Dp``, the devices of the particle axis the state lives on (1 off a mesh): ``meta["particle_devices"]``."""
   sharding = getattr(state.log_weights, "sharding", None)
@@ -165,9 +128,7 @@ class Checkpointer:
   # ---- listing -------------------------------------------------------------------------------
   def steps(self) -> list[int]:
     """Complete checkpoints (orbax renames a save to its step number when it is complete), ascending."""
-    if not self.directory.is_dir():
-      return []
-    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+    return files.checkpoint_steps(str(self.directory))
 
   def set_aside(self) -> list[str]:
     if not self.directory.is_dir():

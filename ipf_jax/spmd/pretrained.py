@@ -15,6 +15,7 @@ regex that would leave them fresh. A ViT's blocks load in either layout: a check
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -23,11 +24,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization, traverse_util
 
+from ipf_jax import files
 from ipf_jax.errors import ConfigError
 from ipf_jax.models import vit
 from ipf_jax.spmd import sharing
 
 COLLECTIONS = ("params", "batch_stats")
+log = logging.getLogger("ipf_jax")
 
 
 def _resolve(path: str) -> str:
@@ -65,17 +68,21 @@ def read(path: str, particle: int = -1) -> dict:
 
 
 def read_particle(workdir: str, particle: int) -> dict:
-  """Particle ``particle`` of the newest checkpoint in ``workdir`` (``checkpoints/<step>/state``), as numpy:
-  its parameters (with the shared ones merged back) and batch statistics."""
+  """Particle ``particle`` of the newest whole checkpoint in ``workdir`` (``checkpoints/<step>/state``; a damaged
+  newer one is passed over with a warning, as a resume does), as numpy: its parameters (with the shared ones
+  merged back) and batch statistics."""
   root = os.path.join(workdir, "checkpoints")
-  steps = sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
-  if not steps:
+  step, damaged = files.newest_whole(root)  # the resume's reader: a damaged checkpoint is never loaded
+  for bad, why in damaged.items():
+    log.warning("init_from: the checkpoint of step %d in %s is damaged (%s); reading an older one", bad, root, why)
+  if step is None:
+    found = f"only damaged ones ({', '.join(f'step {k}: {w}' for k, w in damaged.items())})" if damaged else "none"
     raise ConfigError(
       "init_particle",
-      f"{workdir!r} holds no checkpoint (checkpoints/<step>): give a run's workdir, or init_particle=-1 for "
-      "an exported fused model or a Flax file",
+      f"{workdir!r} holds no whole checkpoint (checkpoints/<step>: {found}): give a run's workdir, or "
+      "init_particle=-1 for an exported fused model or a Flax file",
     )
-  where = os.path.join(root, str(steps[-1]), "state")
+  where = os.path.join(root, str(step), "state")
   try:
     with ocp.StandardCheckpointer() as ckptr:
       tree = ckptr.metadata(where).item_metadata.tree

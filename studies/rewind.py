@@ -2,7 +2,7 @@
 of 80: the loss jumps and stays up), with and without rewind, against the same run without the fault. The
 fault and the configuration are tests/test_rewind.py's.
 
-  python -m benchmarks.rewind --seeds 3      # about 3 minutes on 2 cores
+  python -m studies.rewind --seeds 3      # about 3 minutes on 2 cores
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fine-tuning from one checkpoint, model-soup style, on Fashion-MNIST (issue: ViTs, optimizers, fine-tuning, 5b).
 
-  python -m benchmarks.fashion_mnist_finetune --data_dir DIR [--pre_epochs 3] [--epochs 2 (digits: 30)]
+  python -m studies.fashion_mnist_finetune --data_dir DIR [--pre_epochs 3] [--epochs 2 (digits: 30)]
          [--lr_factor 0.1 (digits: 1)] [--seed 0] [--target fashion_mnist|digits] [--out rows.jsonl] [--resume]
 
 One model is pre-trained with DDP (``configs/fashion_mnist.py``, ``--pre_epochs`` at batch 128, ``--seed``);
@@ -17,7 +17,7 @@ model (``config.init_from``):
 
 Columns: the ensemble's accuracy and NLL (DDP: its model), the fused model's (the ensemble's: the uniform soup;
 ipf: the learned soup), the best single member's and the mean member's, the ECE and the shift and OOD
-columns of ``benchmarks/fashion_mnist.py`` (whose ``run_one`` runs each). A benchmark, not a test.
+columns of ``studies/fashion_mnist.py`` (whose ``run_one`` runs each). A benchmark, not a test.
 
 ``--target digits``, the transfer variant: the same pre-trained model fine-tuned on scikit-learn's digits
 upscaled to 28 x 28 (``transfer_data``: the 1,347 / 450 split of ``configs/digits.py``, normalised as the TFDS
@@ -41,7 +41,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np  # noqa: E402
 
-from benchmarks import fashion_mnist as study  # noqa: E402
+from studies import fashion_mnist as study  # noqa: E402
 from benchmarks.common import print_summary  # noqa: E402
 from configs import fashion_mnist  # noqa: E402
 from ipf_jax.data import digits, tfds_input  # noqa: E402

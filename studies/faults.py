@@ -1,7 +1,7 @@
 """Fault-injection campaign on the digits config, through train.py as a user runs it.
 
-  python -m benchmarks.faults                 # about 15 min on 2 cores
-  python -m benchmarks.faults --repeats 1 --kinds sigterm,sigkill   # a smoke run
+  python -m studies.faults                 # about 15 min on 2 cores
+  python -m studies.faults --repeats 1 --kinds sigterm,sigkill   # a smoke run
 
 Each fault hits a run at a random moment (seeded); the run is then rerun with
 the same command until it finishes, and its final table and final state are

@@ -1,6 +1,6 @@
 """The fused model with re-estimated BatchNorm statistics vs the weighted average of the particles'.
 
-  python -m benchmarks.fused_bn_digits [--seeds 3] [--steps 300] [--batches 8]
+  python -m studies.fused_bn_digits [--seeds 3] [--steps 300] [--batches 8]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits config (8 particles,
 global batch 128, shared init) in settings where the particles end up more or

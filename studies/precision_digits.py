@@ -1,6 +1,6 @@
 """Compute dtypes on real data: float32, bfloat16, float16 with and without dynamic loss scaling.
 
-  python -m benchmarks.precision_digits [--seeds 3] [--steps 300] [--variants "float32;float16, scale 1"]
+  python -m studies.precision_digits [--seeds 3] [--steps 300] [--variants "float32;float16, scale 1"]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits config (ipf, 8
 particles, global batch 128) for every row; only ``dtype`` and the loss scale

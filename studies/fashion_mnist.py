@@ -1,7 +1,7 @@
 """Fashion-MNIST at equal compute (issue: Real data): DDP, deep ensemble, ipf, through the TFDS pipeline.
 
   apt-get install dataset-fashion-mnist && python -m ipf_jax.data.prepare fashion_mnist --data_dir DIR
-  python -m benchmarks.fashion_mnist --data_dir DIR [--seeds 3] [--epochs 5] [--batch 128]
+  python -m studies.fashion_mnist --data_dir DIR [--seeds 3] [--epochs 5] [--batch 128]
          [--methods ddp,...] [--shift_examples 500] [--eval_every_epochs 1] [--out rows.jsonl] [--picture c.png]
          [--vit 64,6,4,7]   # a small ViT (width, depth, heads, patch) with configs/fashion_mnist_vit.py's recipe
 

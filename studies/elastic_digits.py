@@ -1,6 +1,6 @@
 """The elastic pull (DESIGN.md §3.4): theta_i <- theta_i + alpha (theta_bar - theta_i) after each update.
 
-  python -m benchmarks.elastic_digits [--seeds 3] [--steps 300]
+  python -m studies.elastic_digits [--seeds 3] [--steps 300]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits config (ipf, 8
 particles, global batch 128, tau 10, lambda 0.5) with alpha in {0, 0.05, 0.2},

@@ -1,6 +1,6 @@
 """The regression example (examples/regression_diabetes.py) for each mode and several seeds.
 
-  python -m benchmarks.regression_diabetes [--seeds 3] [--steps 150]
+  python -m studies.regression_diabetes [--seeds 3] [--steps 150]
 
 scikit-learn's diabetes data, a fixed 25% test split, standardised target
 (NLL and RMSE in units of its standard deviation; RMSE 1.0 = predicting the

@@ -1,6 +1,6 @@
 """The seed's quality claims, measured on real data at equal compute (issue: evidence).
 
-  python -m benchmarks.quality_digits [--seeds 5] [--steps 300]
+  python -m studies.quality_digits [--seeds 5] [--steps 300]
 
 Digits (scikit-learn), 8 fake CPU devices, same model (the digits CNN), same
 global batch (128) and number of steps for every method: ddp (one model on the

@@ -1,6 +1,6 @@
 """Uncertainty on digits at equal compute (issue: Uncertainty): clean, corrupted, OOD, diversity.
 
-  python -m benchmarks.uncertainty_digits [--seeds 5] [--steps 300] [--methods ddp,ensemble,...] [--variants full]
+  python -m studies.uncertainty_digits [--seeds 5] [--steps 300] [--methods ddp,ensemble,...] [--variants full]
                                           [--calibration_fraction 0.1] [--uniform]
 
 Digits (scikit-learn), 8 fake CPU devices, the digits CNN, global batch 128 and
