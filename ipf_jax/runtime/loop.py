@@ -61,6 +61,12 @@ class Training:
     if watch is not None:  # a resumed run trains at the rate its rewinds left (config.rewind_lr_factor)
       run.parts = run.parts.with_lr_factor(watch.lr_scale)
 
+  @property
+  def judging(self) -> bool:
+    """Whether rewind judges this run's losses and evaluations (``config.rewind``; a disabled watch only keeps a
+    resumed run's data offset)."""
+    return self.watch is not None and self.watch.enabled
+
   def run_steps(self):
     t_start = time.perf_counter()
     self._clock = (t_start, self.start)  # (time, step) of the last progress line
@@ -107,7 +113,7 @@ class Training:
           self._log(done, fetch(pending))
           pending = []
         stop, save_now = self.control.at_step(done, log_step)
-        if watch is not None and watch.enabled and stop is None:  # judged before any save and evaluation
+        if self.judging and stop is None:  # judged before any save and evaluation
           periodic = config.checkpoint_every_steps > 0 and done % config.checkpoint_every_steps == 0
           if pending and (periodic or save_now):
             self._log(done, fetch(pending), progress=False)
@@ -116,7 +122,7 @@ class Training:
         self._save_if_due(done, save_now, stop is not None)
         if stop is not None:
           break
-        if watch is None or not watch.enabled:
+        if not self.judging:
           self._evaluate_if_due(done)
     finally:
       prefetched.close()
@@ -154,7 +160,7 @@ class Training:
 
   def _log(self, done: int, fetched: list, progress: bool = True) -> None:
     """The fetched steps' scalars, rewind's judgement of their losses, and (``progress``) the progress line."""
-    judged = self.watch is not None and self.watch.enabled
+    judged = self.judging
     try:
       skipped = check_finite(self.state, self.run.spec.num_particles, done, self.newest)
     except NonFiniteError as e:
