@@ -60,7 +60,7 @@ DIGITS_BEST = dict(mode="ipf", correction=0.0, islands=4, init="independent", ji
 OUTER = {
   "local sgd H=8": dict(sync="every", sync_every=8, temperature=0.0),
   "qsr": dict(sync="qsr", sync_every=4, temperature=0.0),
-  "qsr + filter (ess_target=0.5)": dict(sync="qsr", sync_every=4, ess_target=0.5),
+  "qsr + filter (ess_target=0.5)": dict(sync="qsr", sync_every=4, sync_temperature=10.0, ess_target=0.5),
   "qsr + outer nesterov 0.7 x 0.9": dict(sync="qsr", sync_every=4, temperature=0.0, outer_lr=0.7, outer_momentum=0.9),
   "swap (half)": dict(sync="swap", sync_swap_fraction=0.5, temperature=0.0),
   # PAPA's per-member regularisation on the best arm: slot i smooths by 0.2 i / 7 and mixes with concentration

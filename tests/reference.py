@@ -393,9 +393,11 @@ class OuterReference(Reference):
   ``average``, their float leaves pulled to the weighted mean. The last sync (``gamma = 0``) resamples only
   to replace a dead particle."""
 
-  def __init__(self, *args, outer_lr, outer_momentum, opt_policy, sync_examples, data_devices, **kwargs):
+  def __init__(
+    self, *args, outer_lr, outer_momentum, opt_policy, sync_examples, data_devices, sync_temperature, **kwargs
+  ):
     super().__init__(*args, **kwargs)
-    self.sync_examples, self.data_devices = sync_examples, data_devices
+    self.sync_examples, self.data_devices, self.sync_temperature = sync_examples, data_devices, sync_temperature
     self.outer_lr, self.outer_momentum, self.opt_policy = outer_lr, outer_momentum, opt_policy
     p = self.spec.num_particles
     self.anchor = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs) / p, *self.params)
@@ -439,7 +441,7 @@ class OuterReference(Reference):
       return record
     alive = [record["alive"][i] and np.isfinite(scores[i]) and np.isfinite(self.log_w[i]) for i in range(p)]
     log_w = np.array(
-      [s.forgetting * self.log_w[i] - s.temperature * scores[i] if alive[i] else -np.inf for i in range(p)]
+      [s.forgetting * self.log_w[i] - self.sync_temperature * scores[i] if alive[i] else -np.inf for i in range(p)]
     )
     log_w = island_normalize(log_w, s.islands)
     w = np.exp(log_w)

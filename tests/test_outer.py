@@ -14,7 +14,7 @@ from ipf_jax.population import outer
 from tests import helpers
 from tests.reference import OuterReference
 
-OUTER = dict(sync="every", sync_every=3, sync_examples=3, sync_pull=0.5, temperature=4.0, forgetting=0.8)
+OUTER = dict(sync="every", sync_every=3, sync_examples=3, sync_pull=0.5, sync_temperature=4.0, forgetting=0.8)
 
 
 def test_sync_schedules_against_their_rules_written_out():
@@ -54,6 +54,7 @@ def run_both(config, dp, dd, num_steps):
     opt_policy=config.sync_opt_state,
     sync_examples=config.sync_examples,
     data_devices=dd,
+    sync_temperature=config.sync_temperature,
   )
   syncs = s.parts.train_step.syncs
   spmd_records, ref_records = [], []
@@ -71,7 +72,7 @@ def run_both(config, dp, dd, num_steps):
     (8, 1, 8, {}),
     (4, 2, 8, dict(outer_lr=0.7, outer_momentum=0.9, sync_opt_state="average")),
     pytest.param(2, 4, 4, dict(sync_pull=1.0, sync_opt_state="reset"), marks=pytest.mark.first_leg_only),
-    pytest.param(4, 2, 8, dict(islands=2, temperature=20.0), marks=pytest.mark.first_leg_only),
+    pytest.param(4, 2, 8, dict(islands=2, sync_temperature=20.0), marks=pytest.mark.first_leg_only),
     (1, 8, 1, dict(mode="ddp", outer_lr=0.7, outer_momentum=0.9)),  # Lookahead: one DDP model, an outer optimizer
   ],
 )
@@ -161,6 +162,7 @@ def test_a_killed_outer_loop_run_resumes_bit_for_bit(tmp_path):
     "--config.sync_every=2",
     "--config.outer_lr=0.7",
     "--config.outer_momentum=0.9",
+    "--config.sync_temperature=10",
     "--config.ess_target=0.5",
   )
   whole = tmp_path / "whole"

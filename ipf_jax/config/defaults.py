@@ -201,13 +201,17 @@ def _outer(config: ml_collections.ConfigDict) -> None:
                                        # (DESIGN.md §3, the seed's reading) | every | qsr | swap: the outer loop
                                        # (§3b): plain local steps, the filter and the weighted average at syncs
                                        # (mode=ddp with every | qsr: one model, the outer optimizer: Lookahead)
-  config.sync_every = 8                # every: sync each H steps; qsr: H_base
+  config.sync_every = 4                # every: sync each H steps; qsr: H_base (4: the measured qsr arm,
+                                       # BENCHMARKS.md "The outer loop")
   config.sync_qsr_alpha = 0.25         # qsr: after a sync the next comes max(H_base, floor((alpha peak_lr / lr)^2))
                                        # steps later (Gu et al., ICLR 2024): rarer as the learning rate decays
                                        # (relative to the peak: the same value for SGD's rates and AdamW's)
   config.sync_swap_fraction = 0.5      # swap: sync every step for this fraction of the run, then never (SWAP)
   config.sync_pull = 1.0               # gamma in [0, 1]: at a sync theta_i += gamma (anchor - theta_i) (1: local
                                        # SGD, every particle becomes the anchor; the last step never pulls)
+  config.sync_temperature = 0.0        # tau at a sync: log w <- rho log w - tau loss on the common examples (0: the
+                                       # uniform mean, the measured best; > 0: the filter at syncs, adapted to
+                                       # ess_target when set; the per-step filter's tau is temperature)
   config.sync_examples = 32            # at a sync every particle is weighed on these many examples of each
                                        # particle's part of the batch (at most that part; P x this in all)
   config.sync_opt_state = "keep"       # keep | reset | average: each particle's optimizer state at a sync

@@ -47,6 +47,11 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
     f"must be in [0, 1], got {config.sync_swap_fraction}",
   )
   _check(0 <= config.sync_pull <= 1, "sync_pull", f"must be in [0, 1] (1: local SGD), got {config.sync_pull}")
+  _check(
+    config.sync_temperature >= 0,
+    "sync_temperature",
+    f"must be >= 0 (0: the uniform mean), got {config.sync_temperature}",
+  )
   examples = config.sync_examples
   _check(isinstance(examples, int) and examples >= 1, "sync_examples", f"must be an integer >= 1, got {examples!r}")
   _check(config.outer_lr > 0, "outer_lr", f"must be > 0 (1 with outer_momentum=0: the mean), got {config.outer_lr}")

@@ -6,7 +6,7 @@
   after the update of a sync step (``population.outer.sync_steps``):
     2. weigh:   s_i = particle i's loss, before the update, on the same examples (the first ``sync_examples``
                 of every particle's part of the batch, gathered over "particle");
-                log w_i <- rho log w_i - tau s_i, normalised (``ess_target``: tau adapted)
+                log w_i <- rho log w_i - tau s_i, normalised (tau: ``sync_temperature``; ``ess_target``: adapted)
     3. anchor:  theta_bar = sum_i w_i theta_i (one weighted psum);  A, m <- outer_opt(A - theta_bar, m, A)
     4. resample if ESS < threshold P or a particle died (the exchange of the per-step filter; weights uniform)
     5. pull:    theta_i <- theta_i + gamma (A - theta_i),  beta_i <- beta_i + gamma (beta_bar - beta_i),
@@ -96,10 +96,10 @@ def sync_weights(c: OuterParts, state: ParticleState, score, alive):
   spec = c.spec
   table = pf.gather_all(jnp.stack([score, alive.astype(score.dtype), state.log_weights], axis=1), PARTICLE)
   scores, alive_all, previous = table[:, 0], table[:, 1] > 0, table[:, 2]
-  tau = jnp.asarray(spec.temperature, score.dtype)
+  tau = jnp.asarray(c.outer.sync_temperature, score.dtype)
   if spec.ess_target:
     tau = pf.adaptive_temperature(
-      previous, scores, alive_all, spec.temperature, spec.forgetting, spec.ess_target * spec.num_particles,
+      previous, scores, alive_all, c.outer.sync_temperature, spec.forgetting, spec.ess_target * spec.num_particles,
       islands=spec.islands,
     )  # fmt: skip
   raw = pf.update_log_weights(previous, scores, alive_all, tau, spec.forgetting)

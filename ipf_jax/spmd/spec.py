@@ -38,15 +38,16 @@ class ParticleSpec:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OuterSpec:
   """The outer loop's static settings (DESIGN.md §3b; ``None`` for the per-step filter), each named as its config
-  field. Between syncs every particle takes plain optimizer steps; at a sync the filter weighs, averages,
-  updates the anchor and resamples (``ParticleSpec``'s temperature, forgetting, ess_target, ess_threshold,
-  islands, jitter), then pulls every particle towards the anchor."""
+  field. Between syncs every particle takes plain optimizer steps; at a sync the filter weighs (at
+  ``sync_temperature``), averages, updates the anchor and resamples (``ParticleSpec``'s forgetting, ess_target,
+  ess_threshold, islands, jitter), then pulls every particle towards the anchor."""
 
   sync: str  # every | qsr | swap (population.outer.sync_steps)
   sync_every: int = 8  # every: H; qsr: H_base
   sync_qsr_alpha: float = 0.25  # qsr: alpha of H = max(H_base, floor((alpha peak_lr / lr)^2))
   sync_swap_fraction: float = 0.5  # swap: the fraction of the run synchronised every step
   sync_pull: float = 1.0  # gamma: theta_i <- theta_i + gamma (A - theta_i)
+  sync_temperature: float = 0.0  # tau at a sync (0: the uniform mean)
   sync_examples: int = 32  # examples of each particle's part of the batch that every particle is weighed on
   sync_opt_state: str = "keep"  # keep | reset | average: each particle's optimizer state at a sync
   outer_lr: float = 1.0  # the anchor's outer SGD
