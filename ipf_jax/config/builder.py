@@ -57,8 +57,9 @@ class Parts:
     return self.train_step.at(step) if self.outer is not None else self.train_step
 
   def with_lr_factor(self, factor: float) -> "Parts":
-    """These parts with the train step recompiled for the learning rate times ``factor`` (``optim.scaled``: the
-    optimizer's updates scaled, its state's layout unchanged, so a checkpoint restores across factors)."""
+    """These parts with the train step recompiled for the learning rate times ``factor`` (``_train_step``: the
+    optimizer rebuilt on the scaled schedule, its state's layout unchanged, so a checkpoint restores across
+    factors)."""
     if factor == self.lr_factor:
       return self
     if self.rebuild is None:
