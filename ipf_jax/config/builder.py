@@ -162,7 +162,7 @@ def _train_step(task, config, spec, outer, mesh, schedule, optimizer, exchange, 
   reported = reported if reported is None or lr_factor == 1 else _times(reported, lr_factor)
   if outer is None:
     return step_lib.make_train_step(task, tx, spec, mesh, reported, exchange, step_lib.preset(spec))
-  cpu = jax.devices("cpu")[0]  # the schedule's numbers from one backend on every host and resume
+  cpu = jax.local_devices(backend="cpu")[0]  # the schedule on one backend, every host (its own CPU) and resume
 
   def lr_on_cpu(k: int) -> float:
     with jax.default_device(cpu):
