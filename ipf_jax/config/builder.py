@@ -115,8 +115,7 @@ def build(
   if devices is None:
     validation.setup_devices(config)
   devices = list(devices or jax.devices()[: config.num_devices or jax.device_count()])
-  dp, _ = validation.validate(config, len(devices))
-  mesh = mesh_lib.make_mesh(config.num_particles, devices, dp)
+  mesh = mesh_lib.make_mesh(config.num_particles, devices, validation.validate(config, len(devices))[0])
   spec = spec or validation.particle_spec(config)
   _check_init(config, task, spec)
   total, warmup = read.train_steps(config, steps_per_epoch)
@@ -125,7 +124,8 @@ def build(
   abstract, init = read.state_init(config, spec, task, tx, example, mesh, outer)
   if config.init_from:
     init = functools.partial(init, _start(config, task, example))
-  rebuild = functools.partial(_train_step, task, config, spec, outer, mesh, (total, warmup, lr_fn), optimizer, exchange)
+  schedule = (total, warmup, lr_fn)
+  rebuild = functools.partial(_train_step, task, config, tx, spec, outer, mesh, schedule, optimizer, exchange)
   return Parts(
     config=config,
     task=task,
@@ -146,17 +146,15 @@ def build(
   )
 
 
-def _train_step(task, config, spec, outer, mesh, schedule, optimizer, exchange, lr_factor: float = 1.0) -> Callable:
+def _train_step(task, config, tx, spec, outer, mesh, schedule, optimizer, exchange, lr_factor: float = 1.0) -> Callable:
   """The per-step filter's jitted step, or the outer loop's (``outer``: its syncs from the run's ``schedule``,
   ``(total, warmup, lr_fn)``, unscaled). ``lr_factor`` (``config.rewind_lr_factor`` after rewinds): the optimizer
   built on the schedule times it (a transformation with its own schedule: its updates scaled, ``optim.scaled``);
   the state's layout is the same at every factor."""
   total, warmup, lr_fn = schedule
-  if lr_factor == 1:
-    tx = read.optimizer(config, lr_fn, optimizer)
-  elif isinstance(optimizer, optax.GradientTransformation):
+  if lr_factor != 1 and isinstance(optimizer, optax.GradientTransformation):  # ``tx``: the run's, from ``build``
     tx = optim.scaled(optimizer, lr_factor)
-  else:
+  elif lr_factor != 1:
     tx = read.optimizer(config, _times(lr_fn, lr_factor), optimizer)
   reported = optim.reported_schedule(lr_fn, optimizer, spec)
   reported = reported if reported is None or lr_factor == 1 else _times(reported, lr_factor)
