@@ -72,7 +72,7 @@ OUTER = {
 METHODS = {
   "ddp": dict(mode="ddp", num_particles=1),
   "deep ensemble": dict(mode="ensemble", num_particles=8),
-  "ipf (defaults)": dict(mode="ipf"),
+  "ipf (defaults)": dict(mode="ipf", sync="step"),  # the per-step filter's defaults (the library's until sync=auto)
   "ipf digits' most diverse": DIGITS_BEST,
   # the algorithm's levers, one at a time and combined
   "ipf ess_target=0.5": dict(mode="ipf", ess_target=0.5),

@@ -35,6 +35,7 @@ def tiny_config(**overrides):
   config.num_train_steps = 20
   config.base_lr = 0.5
   config.init = "independent"  # distinct particles from step 0: every exchange is visible
+  config.sync = "step"  # the per-step filter against tests/reference.py (the outer loop's tests set their sync)
   for k, v in overrides.items():
     config[k] = v
   return config

@@ -197,10 +197,14 @@ def _particles(config: ml_collections.ConfigDict) -> None:
 
 def _outer(config: ml_collections.ConfigDict) -> None:
   """The outer loop (docs/DESIGN.md §3b): local steps between syncs, the filter and the average at syncs."""
-  config.sync = "step"                 # step: weigh, correct (correction, elastic_pull) and resample every step
-                                       # (DESIGN.md §3, the seed's reading) | every | qsr | swap: the outer loop
-                                       # (§3b): plain local steps, the filter and the weighted average at syncs
-                                       # (mode=ddp with every | qsr: one model, the outer optimizer: Lookahead)
+  config.sync = "auto"                 # auto: qsr for a population in ipf mode (ahead of step at every batch
+                                       # measured, BENCHMARKS.md), step otherwise or when the run asks for what
+                                       # only step does (elastic_pull, resample_every, shared_params, fsdp,
+                                       # compress_correction, float16) | step: weigh, correct (correction,
+                                       # elastic_pull) and resample every step (DESIGN.md §3, the seed's reading)
+                                       # | every | qsr | swap: the outer loop (§3b): plain local steps, the
+                                       # average (weighed at sync_temperature) at syncs (mode=ddp with every |
+                                       # qsr: one model, the outer optimizer: Lookahead)
   config.sync_every = 4                # every: sync each H steps; qsr: H_base (4: the measured qsr arm,
                                        # BENCHMARKS.md "The outer loop")
   config.sync_qsr_alpha = 0.25         # qsr: after a sync the next comes max(H_base, floor((alpha peak_lr / lr)^2))

@@ -11,16 +11,32 @@ from ipf_jax.errors import ConfigError
 from ipf_jax.population.outer import SYNCS
 from ipf_jax.spmd.spec import OuterSpec
 
-SYNC_CHOICES = ("step",) + SYNCS
+SYNC_CHOICES = ("auto", "step") + SYNCS
 SYNC_OPT_STATES = ("keep", "reset", "average")
+# What only the per-step filter does: sync="auto" keeps it for a run that asks for one of these.
+PER_STEP_ONLY = ("elastic_pull", "resample_every", "shared_params", "fsdp", "compress_correction")
+
+
+def resolve(config) -> str:
+  """``config.sync`` with ``"auto"`` resolved (``config``: a ``ConfigDict`` or a saved config's dict): the outer
+  loop with QSR's syncs for a population in ipf mode (measured ahead of the per-step filter at every batch,
+  BENCHMARKS.md), the per-step filter (``"step"``) for one model, an ensemble, or a run that asks for what only
+  it does (``PER_STEP_ONLY``, float16's one loss scale)."""
+  sync = config.get("sync", "step")
+  if sync != "auto":
+    return sync
+  population = config.get("mode") == "ipf" and config.get("num_particles", 1) > 1
+  per_step = any(config.get(f) for f in PER_STEP_ONLY) or config.get("dtype") == "float16"
+  return "qsr" if population and not per_step else "step"
 
 
 def outer_spec(config: ml_collections.ConfigDict) -> Optional[OuterSpec]:
   """The outer loop's settings when ``config.sync`` asks for it (a population in ipf mode, or one DDP replica
   with an outer optimizer: Lookahead), else None."""
-  if config.sync == "step" or config.mode == "ensemble" or config.num_particles == 1 and config.mode == "ipf":
+  sync = resolve(config)
+  if sync == "step" or config.mode == "ensemble" or config.num_particles == 1 and config.mode == "ipf":
     return None
-  return OuterSpec(**{f: config[f] for f in OuterSpec.__dataclass_fields__})
+  return OuterSpec(**{f: config[f] for f in OuterSpec.__dataclass_fields__ if f != "sync"}, sync=sync)
 
 
 def _check(cond: bool, field: str, message: str) -> None:
@@ -56,19 +72,20 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
   _check(isinstance(examples, int) and examples >= 1, "sync_examples", f"must be an integer >= 1, got {examples!r}")
   _check(config.outer_lr > 0, "outer_lr", f"must be > 0 (1 with outer_momentum=0: the mean), got {config.outer_lr}")
   _check(0 <= config.outer_momentum < 1, "outer_momentum", f"must be in [0, 1), got {config.outer_momentum}")
-  if config.sync == "step":
+  sync = resolve(config)
+  if sync == "step":
     return
   _check(
-    config.mode == "ipf" and config.num_particles > 1 or config.mode == "ddp" and config.sync != "swap",
+    config.mode == "ipf" and config.num_particles > 1 or config.mode == "ddp" and sync != "swap",
     "sync",
-    f"={config.sync!r} is the outer loop of a population in mode='ipf' (or, every/qsr, of one DDP model with "
+    f"={sync!r} is the outer loop of a population in mode='ipf' (or, every/qsr, of one DDP model with "
     f"an outer optimizer); this run has mode={config.mode!r} with num_particles={config.num_particles}. Set "
     "mode='ipf' and num_particles > 1, mode='ddp' for one model with an outer optimizer, or sync='step'",
   )
   _check(
     config.mode != "ddp" or config.outer_lr != 1.0 or config.outer_momentum > 0 or config.sync_pull < 1,
     "outer_lr",
-    f"mode='ddp' with sync={config.sync!r}, outer_lr=1, outer_momentum=0 and sync_pull=1 is plain DDP (the anchor "
+    f"mode='ddp' with sync={sync!r}, outer_lr=1, outer_momentum=0 and sync_pull=1 is plain DDP (the anchor "
     "is the model): set outer_lr < 1 (Lookahead: 0.5) or outer_momentum > 0, or sync='step'",
   )
   for field, value, why in (
@@ -78,10 +95,10 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
     ("fsdp", config.fsdp, "the anchor is kept whole, not as shards"),
     ("compress_correction", config.compress_correction, "the outer loop averages parameters, not gradients"),
   ):
-    _check(not value, field, f"={value!r} does not work with sync={config.sync!r}: {why}; leave it off or sync='step'")
+    _check(not value, field, f"={value!r} does not work with sync={sync!r}: {why}; leave it off or sync='step'")
   _check(
     config.dtype != "float16",
     "dtype",
-    f"='float16' keeps one loss scale for all particles, agreed every step; sync={config.sync!r} has no collective "
+    f"='float16' keeps one loss scale for all particles, agreed every step; sync={sync!r} has no collective "
     "between syncs. Use bfloat16 or float32, or sync='step'",
   )

@@ -35,6 +35,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from ipf_jax import files
+from ipf_jax.config import sync as sync_lib
 from ipf_jax.config import validation
 from ipf_jax.reporting import report, tables
 from ipf_jax.runtime import cli, preemption, trainer
@@ -87,7 +88,7 @@ def summary_row(name: str, config, results: dict) -> dict:
   """The table's numbers for one mode: the ensemble's and one model's (DDP: its model; an ensemble of
   independent inits: its members' mean, as its fused model means nothing; ipf: the fused model)."""
   ens = results["ensemble"]
-  if (config.mode == "ipf" or config.sync != "step") and "fused" in results:  # the outer loop's: the anchor
+  if (config.mode == "ipf" or sync_lib.resolve(config) != "step") and "fused" in results:  # the outer loop's: the anchor
     one, what = float(results["fused"]["accuracy"]), "fused"
   else:
     one, what = float(np.mean(results["particles"]["accuracy"])), "member" if config.num_particles > 1 else "model"
@@ -184,7 +185,7 @@ def compare(config, workdir: str, modes: list[tuple[str, str | None]], dry_run: 
     print(f"== {name} ({k + 1}/{len(configs)}): {c.num_particles} model(s), {sub}", flush=True)
     start = time.perf_counter()
     results = trainer.train_and_evaluate(c, sub)
-    runs.append((name, sub, results, c.mode == "ipf" or c.sync != "step"))
+    runs.append((name, sub, results, c.mode == "ipf" or sync_lib.resolve(c) != "step"))
     rows.append(dict(summary_row(name, c, results), seconds=round(time.perf_counter() - start, 1)))
   table = format_table(rows)
   if jax.process_index() == 0:

@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 
 from ipf_jax.config import defaults
+from ipf_jax.config import sync as sync_lib
 
 Signature = dict  # {"params/Conv_0/kernel": ((8, 3, 3, 1, 32), "float32"), ...}
 
@@ -58,6 +59,8 @@ DATA_FIELDS = ("dataset", "calibration_fraction")
 def check_meaning(saved_config: dict, config: ml_collections.ConfigDict, where: str) -> None:
   """Raises ``CheckpointError`` naming each of ``MEANING_FIELDS`` whose value differs from the checkpoint's."""
   saved, current = _flat_config(saved_config), _flat_config(config)
+  for flat in (saved, current):  # sync="auto" is what it resolves to: a run saved with "step" resumes as "auto"
+    flat["sync"] = sync_lib.resolve(flat)  # that gives "step", and is refused where it gives the outer loop
   fields = [k for k in MEANING_FIELDS if k in saved and k in current]
   differing = _differences(saved, current, fields)
   if not differing:
