@@ -67,6 +67,7 @@ class Bench:
 def config_for(args, **kw):
   """The digits config on ``args.model`` with ``args.per_particle_batch`` examples per particle, and ``kw``."""
   c = digits.get_config()
+  c.sync = "step"  # the per-step filter these measure (the default, sync="auto", runs a population's outer loop)
   c.model, c.num_cpu_devices = args.model, 0
   c.global_batch_size = args.per_particle_batch * kw.get("num_particles", c.num_particles)
   for k, v in kw.items():
@@ -202,6 +203,7 @@ def digits_study(
       runs = []
       for seed in range(seeds):
         config = digits.get_config()
+        config.sync = "step"  # the per-step filter the variants change (sync="auto" would run the outer loop)
         config.seed, config.num_train_steps, config.log_every_steps = seed, steps, steps
         config.checkpoint_every_steps, config.num_cpu_devices = -1, 0
         for k, v in {**(base or {}), **overrides}.items():

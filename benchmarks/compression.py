@@ -86,6 +86,7 @@ def collective_bytes(hlo: str) -> dict:
 
 def step_bytes(compress: bool, correction: float, model: str) -> dict:
   c = digits.get_config()
+  c.sync = "step"  # the correction is the per-step filter's
   c.num_cpu_devices, c.model, c.correction, c.compress_correction = 0, model, correction, compress
   shape = (8, 8, 1) if model == "cnn" else (32, 32, 3)
   # Without the resampling branch: its exchange (which also moves the residuals) is not the correction.
@@ -94,6 +95,7 @@ def step_bytes(compress: bool, correction: float, model: str) -> dict:
 
 def accuracy(compress: bool, seed: int, workdir: str) -> dict:
   c = digits.get_config()
+  c.sync = "step"  # the correction is the per-step filter's
   c.seed, c.compress_correction, c.checkpoint_every_steps, c.num_cpu_devices = seed, compress, -1, 0
   c.log_every_steps = c.num_train_steps
   r = trainer.train_and_evaluate(c, workdir)

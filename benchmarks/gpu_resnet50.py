@@ -53,6 +53,7 @@ VARIANTS = {
 def make(variant, args, devices):
   mode, per_device, loop = VARIANTS[variant]
   config = (imagenet_vit_s16 if args.model.startswith("vit") else imagenet_r50).get_config()
+  config.sync = "step"  # the per-step program, as measured (BENCHMARKS.md "GPU")
   config.model, config.image_size, config.dtype = args.model, args.image_size, args.dtype
   config.vit_patch_size = args.patch_size
   config.mode, config.particle_loop = mode, loop

@@ -47,6 +47,7 @@ def main():
   rows = []
   for name, particles, remat, shared in variants:
     config = imagenet_r50.get_config()
+    config.sync = "step"  # the per-step program, as measured
     config.model = args.model
     config.image_size = args.image_size
     config.num_particles = particles

@@ -47,6 +47,7 @@ def child(model: str, dp: int, per_device: int, exchange: str, dd: int = 1, fsdp
   from ipf_jax.population import exchange as exchange_lib
 
   config = defaults.get_config()
+  config.sync = "step"  # the per-step filter's exchange
   config.model, config.num_cpu_devices, config.small_inputs = model, 0, True
   config.num_particles, config.particle_axis_size = dp * per_device, dp
   config.global_batch_size = dp * per_device * 8 * dd

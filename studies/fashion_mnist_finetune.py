@@ -115,6 +115,7 @@ def finetune_row(args, method: str, start: str, workdir: str, data=None) -> dict
   """One fine-tune from ``start`` (on ``data`` when given: ``--target digits``; ``SCRATCH`` starts fresh at the
   config's learning rate)."""
   base = fashion_mnist.get_config()
+  base.sync = "step"  # the per-step filter these rows measured (a method may set the outer loop)
   methods = METHODS if data is None else TRANSFER
   if method == SCRATCH:
     overrides = dict(methods[method])

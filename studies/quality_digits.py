@@ -44,6 +44,7 @@ EVAL_EVERY = 20
 
 def run_one(method, variant, seed, steps, workdir, base=None):
   config = digits.get_config()
+  config.sync = "step"  # the per-step filter these rows measured (a method may set the outer loop)
   config.seed = seed
   config.num_train_steps = steps
   config.eval_every_steps = EVAL_EVERY

@@ -98,6 +98,7 @@ UNIFORM_COLUMNS = [
 
 def run_one(method, variant, seed, steps, workdir, base=None):
   config = digits.get_config()
+  config.sync = "step"  # the per-step filter these rows measured (a method may set the outer loop)
   config.seed, config.num_train_steps, config.log_every_steps = seed, steps, steps
   config.checkpoint_every_steps, config.num_cpu_devices = -1, 0
   config.eval_shifts, config.ood_dataset = "all", "photos"

@@ -192,7 +192,11 @@ def _validate_papa(config: ml_collections.ConfigDict) -> None:
     "spreads strengths over the particles; with num_particles=1 there is one: set label_smoothing or mixup instead",
   )
   _check(
-    not spread or config.mode != "ipf" or sync.resolve(config) != "step" or config.weigh_on != "own" or config.temperature == 0,
+    not spread
+    or config.mode != "ipf"
+    or sync.resolve(config) != "step"
+    or config.weigh_on != "own"
+    or config.temperature == 0,
     spread,
     "with the per-step filter weighing each particle on its own batch (sync='step', weigh_on='own', "
     f"temperature={config.temperature}) the weights come from each particle's regularised loss, and the most "

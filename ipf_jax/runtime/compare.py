@@ -88,7 +88,8 @@ def summary_row(name: str, config, results: dict) -> dict:
   """The table's numbers for one mode: the ensemble's and one model's (DDP: its model; an ensemble of
   independent inits: its members' mean, as its fused model means nothing; ipf: the fused model)."""
   ens = results["ensemble"]
-  if (config.mode == "ipf" or sync_lib.resolve(config) != "step") and "fused" in results:  # the outer loop's: the anchor
+  outer = sync_lib.resolve(config) != "step"  # the outer loop's fused model: the anchor
+  if (config.mode == "ipf" or outer) and "fused" in results:
     one, what = float(results["fused"]["accuracy"]), "fused"
   else:
     one, what = float(np.mean(results["particles"]["accuracy"])), "member" if config.num_particles > 1 else "model"
