@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ipf_jax.config import defaults, document
+from ipf_jax.config import defaults, document, sync
 from ipf_jax.runtime import compatibility
 from tests import helpers
 
@@ -41,8 +41,9 @@ def test_the_on_resume_column_is_what_a_resume_does():
   for name, kind in rows:
     changed = dict(saved, **{name: "another value"})
     listed = compatibility.changed_fields(changed, config)
-    if kind == "refused":
-      with pytest.raises(compatibility.CheckpointError, match=f"config.{name}="):
+    flips = sync.resolve(changed) != sync.resolve(saved)  # sync="auto" resolves anew: another program, refused
+    if kind == "refused" or flips:
+      with pytest.raises(compatibility.CheckpointError, match=f"config.{'sync' if flips else name}="):
         compatibility.check_meaning(changed, config, "runs/x")
     else:
       compatibility.check_meaning(changed, config, "runs/x")

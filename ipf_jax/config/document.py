@@ -31,6 +31,9 @@ multiple of 24 such as 120
 (`mode`, `num_particles`, `init`, `weigh_on`, `sync`, ...: it stops and names the field), *silent* for how it is
 run (logging, saving, devices, extra evaluation sets), *listed* for the others: they continue with the new value
 if the saved state fits (more steps, a lower learning rate), and the run's first lines list each change.
+`sync="auto"` is compared as what it resolves to: a change of `mode`, `num_particles` or of a field only the
+per-step filter has (`elastic_pull`, `resample_every`, `shared_params`, `fsdp`, `compress_correction`, float16)
+that moves it between the outer loop and the per-step filter is refused as a change of `sync`.
 The fields that matter most, with measured advice: README, "The fields that matter".
 """
 

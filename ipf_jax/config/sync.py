@@ -25,7 +25,8 @@ def resolve(config) -> str:
   sync = config.get("sync", "step")
   if sync != "auto":
     return sync
-  population = config.get("mode") == "ipf" and config.get("num_particles", 1) > 1
+  particles = config.get("num_particles", 1)
+  population = config.get("mode") == "ipf" and isinstance(particles, int) and particles > 1
   per_step = any(config.get(f) for f in PER_STEP_ONLY) or config.get("dtype") == "float16"
   return "qsr" if population and not per_step else "step"
 
