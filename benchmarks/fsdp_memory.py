@@ -63,7 +63,7 @@ def child(model: str, optimizer: str, dd: int, args) -> list[dict]:
       rows.append(dict(rows[0], fsdp=True))
       continue
     config = defaults.get_config()
-    config.update(model=model, num_cpu_devices=0, num_particles=8, particle_axis_size=8, fsdp=fsdp)
+    config.update(model=model, num_cpu_devices=0, num_particles=8, particle_axis_size=8, fsdp=fsdp, sync="step")
     config.vit_scan = args.scan
     config.update(global_batch_size=8 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS[optimizer])
     if args.min_size_mb is not None:
@@ -116,7 +116,9 @@ def blocks_child(model: str, optimizer: str, dd: int, args) -> list[dict]:
   rows, read = [], set()
   for per_block in (True, False):
     config = defaults.get_config()
-    config.update(model=model, num_cpu_devices=0, num_particles=2, particle_axis_size=2, fsdp=True, remat=True)
+    config.update(
+      model=model, num_cpu_devices=0, num_particles=2, particle_axis_size=2, fsdp=True, remat=True, sync="step"
+    )
     config.vit_scan = args.scan
     config.fsdp_gather = "block" if per_block else "particle"
     config.update(global_batch_size=2 * dd * args.per_device_batch, dtype=args.dtype, **OPTIMIZERS[optimizer])

@@ -160,19 +160,29 @@ def test_changed_fields_lists_every_difference_from_the_saved_config():
   assert compatibility.changed_fields({**json.loads(saved.to_json()), "gone": 1}, saved) == ["gone: 1 -> absent"]
 
 
-def test_a_resume_that_changes_what_the_run_is_stops_and_touches_nothing(uninterrupted, tmp_path):
-  """The trap of comparing modes in one workdir: a finished ipf run resumed with another mode (the state's shapes
-  agree) would be evaluated and reported as that mode's. It stops with the fields named and the flag that
-  resumes it, and nothing in the workdir changes. (--dry_run and --eval_only read through the same check:
-  ``checkpoint.check_latest``, ``restore_latest``.)"""
-  flags, named = ("--config.mode=ensemble",), ["config.mode='ipf'", "config.mode='ensemble'", "--config.mode='ipf'"]
+@pytest.mark.parametrize(
+  "flags, named, refusal",
+  [
+    (("--config.mode=ensemble",), ["config.mode='ipf'", "config.mode='ensemble'", "--config.mode='ipf'"], "fit"),
+    (("--config.sync=every",), ["config.sync='qsr'", "config.sync='every'"], "meaning"),
+  ],
+)
+def test_a_resume_that_changes_what_the_run_is_stops_and_touches_nothing(
+  uninterrupted, tmp_path, flags, named, refusal
+):
+  """The trap of comparing modes in one workdir: a finished ipf run resumed with another mode would be evaluated
+  and reported as that mode's. It stops with the fields named and the flag that resumes it, and nothing in the
+  workdir changes: by the state's shapes (the default ipf run keeps an anchor an ensemble has not), or, where
+  the shapes agree, by the fields that say what a run is (``sync='auto'`` compared as what it resolves to).
+  (--dry_run and --eval_only read through the same check: ``checkpoint.check_latest``, ``restore_latest``.)"""
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
   files = lambda: {p: os.path.getmtime(os.path.join(d, p)) for d, _, ps in os.walk(workdir) for p in ps if p != ".lock"}
   before = files()  # the lock a training run takes and releases aside
   r = helpers.run_train_py(workdir, *FLAGS, *flags)
   assert r.returncode == 1, r.stdout + r.stderr
-  assert "Resuming it would continue that run, not train this one" in r.stderr and "Nothing was changed" in r.stderr
+  words = {"fit": "does not fit this run's state", "meaning": "Resuming it would continue that run, not train this one"}
+  assert words[refusal] in r.stderr and "Nothing was changed" in r.stderr, r.stderr
   for words in named:
     assert words in r.stderr, r.stderr
   assert "Traceback" not in r.stderr
@@ -184,14 +194,17 @@ def test_every_field_that_changes_what_a_run_is_is_named():
   others and fields an older checkpoint's config lacks."""
   saved = json.loads(digits.get_config().to_json())
   now = digits.get_config()
-  now.weigh_on, now.sync, now.base_lr = "common", "qsr", 0.3
+  now.weigh_on, now.sync, now.base_lr = "common", "step", 0.3
   with pytest.raises(compatibility.CheckpointError) as e:
     compatibility.check_meaning(saved, now, "w")
-  assert "config.weigh_on='own', config.sync='step'" in str(e.value)
-  assert "--config.weigh_on='own' --config.sync='step'" in str(e.value) and "base_lr" not in str(e.value)
+  assert "config.weigh_on='own', config.sync='qsr'" in str(e.value)  # "auto" named as what it resolves to
+  assert "--config.weigh_on='own' --config.sync='qsr'" in str(e.value) and "base_lr" not in str(e.value)
   compatibility.check_meaning({k: v for k, v in saved.items() if k not in ("weigh_on", "sync")}, now, "w")
-  now.weigh_on, now.sync = "own", "step"
+  now.weigh_on, now.sync = "own", "qsr"
   compatibility.check_meaning(saved, now, "w")  # base_lr alone: a resume may change it (and says so)
+  again = digits.get_config()
+  again.elastic_pull = 0.1  # "auto" resolves to "step" here: a per-step run saved so resumes with the defaults
+  compatibility.check_meaning({**saved, "sync": "step", "elastic_pull": 0.1}, again, "w")
 
 
 def test_without_workdir_each_mode_trains_in_its_own_folder(tmp_path):

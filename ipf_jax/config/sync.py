@@ -17,12 +17,12 @@ SYNC_OPT_STATES = ("keep", "reset", "average")
 PER_STEP_ONLY = ("elastic_pull", "resample_every", "shared_params", "fsdp", "compress_correction")
 
 
-def resolve(config) -> str:
-  """``config.sync`` with ``"auto"`` resolved (``config``: a ``ConfigDict`` or a saved config's dict): the outer
-  loop with QSR's syncs for a population in ipf mode (measured ahead of the per-step filter at every batch,
-  BENCHMARKS.md), the per-step filter (``"step"``) for one model, an ensemble, or a run that asks for what only
-  it does (``PER_STEP_ONLY``, float16's one loss scale)."""
-  sync = config.get("sync", "step")
+def resolve(config, sync: Optional[str] = None) -> str:
+  """``config.sync`` (or ``sync`` in its place) with ``"auto"`` resolved (``config``: a ``ConfigDict`` or a saved
+  config's dict): the outer loop with QSR's syncs for a population in ipf mode (measured ahead of the per-step
+  filter at every batch, BENCHMARKS.md), the per-step filter (``"step"``) for one model, an ensemble, or a run
+  that asks for what only it does (``PER_STEP_ONLY``, float16's one loss scale)."""
+  sync = sync or config.get("sync", "step")
   if sync != "auto":
     return sync
   particles = config.get("num_particles", 1)

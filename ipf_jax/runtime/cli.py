@@ -3,8 +3,8 @@
   ipf-train --config configs/digits.py                 # == python train.py ...; into runs/digits_ipf
   ipf-train --config configs/digits.py --config.mode=ddp   # plain DDP, into runs/digits_ddp
 
-Without ``--workdir`` a run's folder is named after its config file and mode (and the outer loop's ``sync``
-when it has one): ``runs/<config>_<mode>``, so runs of different modes never share one.
+Without ``--workdir`` a run's folder is named after its config file and mode (and ``sync`` when it is not the
+mode's default): ``runs/<config>_<mode>``, so runs of different modes never share one.
 
 Exit codes: 0 finished; 1 error (one line "error: ..."); 2 bad command line;
 69 a peer process did not start or was lost; 75 stopped at
@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 from ipf_jax.config import validation
 from ipf_jax.data.errors import DataError
+from ipf_jax.config import sync as sync_lib
 from ipf_jax.runtime import checkpoint, cluster, preemption, rewind, trainer, workdir
 
 FLAGS = flags.FLAGS
@@ -155,11 +156,14 @@ def _field(arg: str) -> str:
 
 
 def default_workdir(config, config_path: str) -> str:
-  """``runs/<config file's stem>_<mode>`` (``_<sync>`` added for the outer loop): a run's default folder, so that
-  two commands that differ in what they train never resume each other's run."""
+  """``runs/<config file's stem>_<mode>`` (``_<sync>`` added for a sync that is not the mode's default, e.g.
+  ``runs/digits_ipf_step``): a run's default folder, so that two commands that differ in what they train never
+  resume each other's run."""
   stem = os.path.splitext(os.path.basename(config_path or "config"))[0]
-  sync = config.get("sync", "step")
-  return os.path.join("runs", f"{stem}_{config.mode}" + (f"_{sync}" if sync != "step" else ""))
+  sync = sync_lib.resolve(config)
+  return os.path.join(
+    "runs", f"{stem}_{config.mode}" + (f"_{sync}" if sync != sync_lib.resolve(config, "auto") else "")
+  )
 
 
 def workdir_of(flag_values: flags.FlagValues = FLAGS) -> str:

@@ -60,7 +60,8 @@ def check_meaning(saved_config: dict, config: ml_collections.ConfigDict, where: 
   """Raises ``CheckpointError`` naming each of ``MEANING_FIELDS`` whose value differs from the checkpoint's."""
   saved, current = _flat_config(saved_config), _flat_config(config)
   for flat in (saved, current):  # sync="auto" is what it resolves to: a run saved with "step" resumes as "auto"
-    flat["sync"] = sync_lib.resolve(flat)  # that gives "step", and is refused where it gives the outer loop
+    if "sync" in flat:  # that gives "step", and is refused where it gives the outer loop
+      flat["sync"] = sync_lib.resolve(flat)
   fields = [k for k in MEANING_FIELDS if k in saved and k in current]
   differing = _differences(saved, current, fields)
   if not differing:
