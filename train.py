@@ -1,6 +1,6 @@
 """Train a particle population with IPF-DDP (the same command as ``ipf-train``; see ``ipf_jax/runtime/cli.py``).
 
-  python train.py --config configs/digits.py                         # ipf, into runs/digits_ipf
+  python train.py --config configs/digits.py                         # ipf, into runs/digits_ipf_qsr
   python train.py --config configs/digits.py --config.mode=ddp       # plain DDP, into runs/digits_ddp
   python train.py --config configs/digits.py --config.mode=ensemble  # deep ensemble, into runs/digits_ensemble
 

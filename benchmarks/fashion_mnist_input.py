@@ -81,7 +81,7 @@ def main():
   rows = []
   for name in args.configs.split(","):
     config = importlib.import_module(f"configs.{name}").get_config()
-    config.data_dir = args.data_dir
+    config.data_dir, config.sync = args.data_dir, "step"  # the per-step step these rows timed
     ds = tfds_input.TFDSDataset(
       config.dataset, config.data_dir, config.image_size, shuffle_buffer=config.shuffle_buffer, small_images=True
     )

@@ -52,8 +52,8 @@ HEAD = "^Dense_0/"  # the CNN's classifier
 METHODS = {
   "one fine-tune (ddp)": dict(mode="ddp", num_particles=1),
   "deep ensemble of fine-tunes (fresh heads)": dict(mode="ensemble", num_particles=8, init_reinit=HEAD),
-  "ipf from it": dict(mode="ipf"),
-  "ipf from it (correction=1 + ess_target=0.5)": dict(mode="ipf", correction=1.0, ess_target=0.5),
+  "ipf from it": dict(mode="ipf", sync="step"),  # the per-step filter these rows measured
+  "ipf from it (correction=1 + ess_target=0.5)": dict(mode="ipf", sync="step", correction=1.0, ess_target=0.5),
 }
 # --target digits: a new label set, so every fine-tune gets a new head (ddp and ipf one, shared by the particles
 # as config.init="auto" says; the deep ensemble one per member); and the same model trained on the digits alone
@@ -62,9 +62,9 @@ TRANSFER = {
   SCRATCH: dict(mode="ddp", num_particles=1),
   "one fine-tune (ddp; new head)": dict(mode="ddp", num_particles=1, init_reinit=HEAD),
   "deep ensemble of fine-tunes (fresh heads)": dict(mode="ensemble", num_particles=8, init_reinit=HEAD),
-  "ipf from it (new head)": dict(mode="ipf", init_reinit=HEAD),
+  "ipf from it (new head)": dict(mode="ipf", sync="step", init_reinit=HEAD),
   "ipf from it (new head; correction=1 + ess_target=0.5)": dict(
-    mode="ipf", correction=1.0, ess_target=0.5, init_reinit=HEAD
+    mode="ipf", sync="step", correction=1.0, ess_target=0.5, init_reinit=HEAD
   ),
 }
 COLUMNS = [
@@ -115,7 +115,6 @@ def finetune_row(args, method: str, start: str, workdir: str, data=None) -> dict
   """One fine-tune from ``start`` (on ``data`` when given: ``--target digits``; ``SCRATCH`` starts fresh at the
   config's learning rate)."""
   base = fashion_mnist.get_config()
-  base.sync = "step"  # the per-step filter these rows measured (a method may set the outer loop)
   methods = METHODS if data is None else TRANSFER
   if method == SCRATCH:
     overrides = dict(methods[method])

@@ -213,7 +213,10 @@ def test_without_workdir_each_mode_trains_in_its_own_folder(tmp_path):
   from ipf_jax.runtime import cli
 
   config = digits.get_config()
+  assert cli.default_workdir(config, "configs/digits.py") == os.path.join("runs", "digits_ipf_qsr")  # sync="auto"
+  config.sync = "step"  # a per-step run, where the default put it before "auto"
   assert cli.default_workdir(config, "configs/digits.py") == os.path.join("runs", "digits_ipf")
+  config.sync = "auto"
   config.mode = "ensemble"
   assert cli.default_workdir(config, "/x/configs/fashion_mnist.py") == os.path.join("runs", "fashion_mnist_ensemble")
   argv = helpers.train_py_argv("unused", "--config.num_train_steps=2", "--config.log_every_steps=1")
@@ -224,7 +227,8 @@ def test_without_workdir_each_mode_trains_in_its_own_folder(tmp_path):
   for mode in ("ipf", "ensemble"):
     r = subprocess.run([*argv, f"--config.mode={mode}"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    saved = json.loads((tmp_path / "runs" / f"digits_{mode}" / "config.json").read_text())
+    folder = {"ipf": "digits_ipf_qsr", "ensemble": "digits_ensemble"}[mode]
+    saved = json.loads((tmp_path / "runs" / folder / "config.json").read_text())
     assert saved["mode"] == mode
 
 

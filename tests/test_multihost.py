@@ -19,7 +19,7 @@ FLAGS = (
   "--config.log_every_steps=1",
   "--config.checkpoint_every_steps=0",
   "--config.temperature=10.0",
-)
+)  # sync="auto": the outer loop (qsr), the default for a population; the fsdp test's runs are the per-step filter
 
 
 def run_two_hosts(workdir, steps):
@@ -28,8 +28,10 @@ def run_two_hosts(workdir, steps):
   )
 
 
-def run_one_host(workdir, steps, devices):
-  r = helpers.run_train_py(workdir, *FLAGS, f"--config.num_train_steps={steps}", f"--config.num_cpu_devices={devices}")
+def run_one_host(workdir, steps, devices, *more):
+  r = helpers.run_train_py(
+    workdir, *FLAGS, f"--config.num_train_steps={steps}", f"--config.num_cpu_devices={devices}", *more
+  )
   assert r.returncode == 0, r.stdout + r.stderr
   return r.stdout
 
@@ -179,13 +181,14 @@ def test_a_dead_peer_ends_the_survivor_within_a_minute(tmp_path):
 
 
 @pytest.mark.first_leg_only
-def test_fsdp_on_two_hosts_equals_whole_particles_on_one(runs, tmp_path):
+def test_fsdp_on_two_hosts_equals_whole_particles_on_one(tmp_path):
   """config.fsdp on 2 hosts x 2 devices: each particle's blocks on the two devices of its host (its group),
   gathered for every forward pass and reduce-scattered after the backward, while resampling moves blocks
   between the hosts (gloo). The run (its steps, final state and evaluation) is the one-host run with whole
-  particles (the fixture's)."""
-  single, out_single, _, _ = runs
-  sharded = tmp_path / "sharded"
+  particles. Both are the per-step filter (fsdp makes sync="auto" so; the fixture's runs are the outer loop's,
+  which does not resample at sync_temperature=0)."""
+  single, sharded = tmp_path / "single", tmp_path / "sharded"
+  out_single = run_one_host(single, STEPS, 4, "--config.sync=step")
   argv = helpers.train_py_argv(sharded, *FLAGS, f"--config.num_train_steps={STEPS}", "--config.num_cpu_devices=2")
   out = helpers.run_processes(argv + ["--config.fsdp=True", "--config.fsdp_min_size_mb=0"], 2)[0]
   assert "mesh (particle, data)=(2, 2) on 4 cpu device(s), 2 process(es)" in out

@@ -212,6 +212,7 @@ def test_the_final_table_says_when_a_population_has_collapsed():
   collapsed = {"diversity": {"disagreement": 0.004, "pairwise_kl": 0.001}, "ensemble": {"accuracy": 0.91}}
   line = tables.collapse_line(collapsed)
   assert "collapsed into copies" in line and "0.40%" in line and "9.00%" in line and "sync='qsr'" in line
+  assert "sync_pull=0.5" in tables.collapse_line(collapsed, outer=True)  # the outer loop's own lever
   assert tables.collapse_line({**collapsed, "diversity": {"disagreement": 0.02}}) == ""
   assert tables.collapse_line({"ensemble": {"accuracy": 0.9}}) == ""  # no diversity measured: nothing said
   digits = {"diversity": {"disagreement": 0.0067}, "ensemble": {"accuracy": 0.9956}}  # the quickstart's table

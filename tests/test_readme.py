@@ -331,7 +331,7 @@ def test_the_quickstart_then_each_help_example_plans_its_own_run(tmp_path, monke
     run_train_command(shlex.split(quickstart), real=True, small=False)
   shown = ast.get_docstring(ast.parse(open(os.path.join(helpers.ROOT, "train.py")).read()))  # what --help prints
   examples = re.findall(r"^\s*(python train\.py [^#\n]*?)\s+# .*?into (runs/\S+)$", shown, re.M)
-  assert {w for _, w in examples} == {"runs/digits_ipf", "runs/digits_ddp", "runs/digits_ensemble"}, examples
+  assert {w for _, w in examples} == {"runs/digits_ipf_qsr", "runs/digits_ddp", "runs/digits_ensemble"}, examples
   for command, workdir in examples:
     fv = train_flags(shlex.split(command))
     assert cli.workdir_of(fv) == workdir, command

@@ -200,7 +200,8 @@ def _outer(config: ml_collections.ConfigDict) -> None:
   config.sync = "auto"                 # auto: qsr for a population in ipf mode (ahead of step at every batch
                                        # measured, BENCHMARKS.md), step otherwise or when the run asks for what
                                        # only step does (elastic_pull, resample_every, shared_params, fsdp,
-                                       # compress_correction, float16) | step: weigh, correct (correction,
+                                       # compress_correction, float16, a changed correction, temperature or
+                                       # weigh_on) | step: weigh, correct (correction,
                                        # elastic_pull) and resample every step (DESIGN.md §3, the seed's reading)
                                        # | every | qsr | swap: the outer loop (§3b): plain local steps, the
                                        # average (weighed at sync_temperature) at syncs (mode=ddp with every |

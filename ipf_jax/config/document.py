@@ -33,7 +33,8 @@ run (logging, saving, devices, extra evaluation sets), *listed* for the others: 
 if the saved state fits (more steps, a lower learning rate), and the run's first lines list each change.
 `sync="auto"` is compared as what it resolves to: a change of `mode`, `num_particles` or of a field only the
 per-step filter has (`elastic_pull`, `resample_every`, `shared_params`, `fsdp`, `compress_correction`, float16)
-that moves it between the outer loop and the per-step filter is refused as a change of `sync`.
+that moves it between the outer loop and the per-step filter is refused as a change of `sync` (the fields:
+`config/sync.py`, `PER_STEP_ONLY` and `PER_STEP_SETTINGS`).
 The fields that matter most, with measured advice: README, "The fields that matter".
 """
 

@@ -7,27 +7,37 @@ from typing import Optional
 
 import ml_collections
 
+from ipf_jax.config import defaults
 from ipf_jax.errors import ConfigError
 from ipf_jax.population.outer import SYNCS
 from ipf_jax.spmd.spec import OuterSpec
 
 SYNC_CHOICES = ("auto", "step") + SYNCS
 SYNC_OPT_STATES = ("keep", "reset", "average")
-# What only the per-step filter does: sync="auto" keeps it for a run that asks for one of these.
+# What only the per-step filter does: sync="auto" keeps it for a run that asks for one of these, or that changes
+# one of PER_STEP_SETTINGS from its default (the outer loop reads none of them: its syncs weigh every particle on
+# the same examples at sync_temperature, and average rather than correct).
 PER_STEP_ONLY = ("elastic_pull", "resample_every", "shared_params", "fsdp", "compress_correction")
+PER_STEP_SETTINGS = ("correction", "temperature", "weigh_on")
 
 
 def resolve(config, sync: Optional[str] = None) -> str:
   """``config.sync`` (or ``sync`` in its place) with ``"auto"`` resolved (``config``: a ``ConfigDict`` or a saved
   config's dict): the outer loop with QSR's syncs for a population in ipf mode (measured ahead of the per-step
   filter at every batch, BENCHMARKS.md), the per-step filter (``"step"``) for one model, an ensemble, or a run
-  that asks for what only it does (``PER_STEP_ONLY``, float16's one loss scale)."""
+  that asks for what only it does (``PER_STEP_ONLY``, float16's one loss scale, a ``PER_STEP_SETTINGS`` field
+  changed from its default)."""
   sync = sync or config.get("sync", "step")
   if sync != "auto":
     return sync
   particles = config.get("num_particles", 1)
   population = config.get("mode") == "ipf" and isinstance(particles, int) and particles > 1
-  per_step = any(config.get(f) for f in PER_STEP_ONLY) or config.get("dtype") == "float16"
+  default = defaults.get_config()
+  per_step = (
+    any(config.get(f) for f in PER_STEP_ONLY)
+    or config.get("dtype") == "float16"
+    or any(config.get(f, default[f]) != default[f] for f in PER_STEP_SETTINGS)
+  )
   return "qsr" if population and not per_step else "step"
 
 

@@ -21,8 +21,9 @@ def aligned(rows: list) -> list[str]:
   return ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
 
 
-def collapse_line(results: dict) -> str:
-  """One line when the population has collapsed into copies (``COLLAPSE_RATIO``), else ``""``."""
+def collapse_line(results: dict, outer: bool = False) -> str:
+  """One line when the population has collapsed into copies (``COLLAPSE_RATIO``), else ``""``; its advice is the
+  outer loop's (``outer``: ``sync_pull``) or the per-step filter's."""
   disagreement = results.get("diversity", {}).get("disagreement")
   accuracy = results.get("ensemble", {}).get("accuracy")
   if disagreement is None or accuracy is None or disagreement >= COLLAPSE_RATIO * max(1.0 - accuracy, 1e-9):
@@ -30,12 +31,17 @@ def collapse_line(results: dict) -> str:
   return (
     f"the population has collapsed into copies: its members disagree on {100 * disagreement:.2f}% of the test "
     f"examples, the ensemble errs on {100 * (1 - accuracy):.2f}%, so the ensemble is one model and its "
-    "uncertainty one model's. To keep members apart: sync='qsr' (the outer loop; the last local phase is never "
-    "averaged away), a lower temperature, islands or init='independent' (README, \"The fields that matter\")"
+    "uncertainty one model's. To keep members apart: "
+    + (
+      "sync_pull=0.5 (each particle moves halfway to the average at a sync)"
+      if outer
+      else "sync='qsr' (the outer loop; the last local phase is never averaged away), a lower temperature"
+    )
+    + ", islands or init='independent' (README, \"The fields that matter\")"
   )
 
 
-def format_extras(results: dict, columns: tuple) -> str:
+def format_extras(results: dict, columns: tuple, outer: bool = False) -> str:
   """Lines under the table: diversity, temperature scaling, shifts (mean over severities; accuracy and ECE,
   or the first two of the task's ``columns``; the ECE at the fitted temperature when there is one) and OOD."""
   lines = []
@@ -44,7 +50,7 @@ def format_extras(results: dict, columns: tuple) -> str:
     lines.append(
       f"diversity of the population: disagreement {d['disagreement']:.4f}, pairwise KL {d['pairwise_kl']:.4f}"
     )
-    collapsed = collapse_line(results)
+    collapsed = collapse_line(results, outer)
     if collapsed:
       lines.append(collapsed)
   for key, t in results.get("temperature_scaled", {}).items():

@@ -1,10 +1,10 @@
 """The ``train.py`` / ``ipf-train`` command: flags -> ``trainer.train_and_evaluate``.
 
-  ipf-train --config configs/digits.py                 # == python train.py ...; into runs/digits_ipf
+  ipf-train --config configs/digits.py                 # == python train.py ...; into runs/digits_ipf_qsr
   ipf-train --config configs/digits.py --config.mode=ddp   # plain DDP, into runs/digits_ddp
 
-Without ``--workdir`` a run's folder is named after its config file and mode (and ``sync`` when it is not the
-mode's default): ``runs/<config>_<mode>``, so runs of different modes never share one.
+Without ``--workdir`` a run's folder is named after its config file and mode (and the outer loop's ``sync``
+when it has one): ``runs/<config>_<mode>[_<sync>]``, so runs of different modes never share one.
 
 Exit codes: 0 finished; 1 error (one line "error: ..."); 2 bad command line;
 69 a peer process did not start or was lost; 75 stopped at
@@ -39,7 +39,7 @@ def define_flags(flag_values: flags.FlagValues, argv=None) -> None:
     "workdir",
     "",
     "Directory for checkpoints, logs, config and results; an existing one is resumed. Default: "
-    "runs/<config file's name>_<mode> (e.g. runs/digits_ipf).",
+    "runs/<config file's name>_<mode>[_<sync>] (e.g. runs/digits_ipf_qsr, runs/digits_ddp).",
     **f,
   )
   flags.DEFINE_bool(
@@ -156,14 +156,13 @@ def _field(arg: str) -> str:
 
 
 def default_workdir(config, config_path: str) -> str:
-  """``runs/<config file's stem>_<mode>`` (``_<sync>`` added for a sync that is not the mode's default, e.g.
-  ``runs/digits_ipf_step``): a run's default folder, so that two commands that differ in what they train never
-  resume each other's run."""
+  """``runs/<config file's stem>_<mode>`` (``_<sync>`` added for the outer loop, ``sync="auto"`` as it resolves:
+  ``runs/digits_ipf_qsr``): a run's default folder, so that two commands that differ in what they train never
+  resume each other's run (and a per-step run saved before ``auto`` was the default resumes with
+  ``--config.sync=step``)."""
   stem = os.path.splitext(os.path.basename(config_path or "config"))[0]
   sync = sync_lib.resolve(config)
-  return os.path.join(
-    "runs", f"{stem}_{config.mode}" + (f"_{sync}" if sync != sync_lib.resolve(config, "auto") else "")
-  )
+  return os.path.join("runs", f"{stem}_{config.mode}" + (f"_{sync}" if sync != "step" else ""))
 
 
 def workdir_of(flag_values: flags.FlagValues = FLAGS) -> str:

@@ -42,8 +42,13 @@ def _describe(path: str, saved: Signature, current: Signature) -> str:
 
 
 def _flat_config(config) -> dict:
+  """The config's fields as JSON values, ``sync="auto"`` as what it resolves to (a run saved with ``"step"``
+  resumes as ``"auto"`` where that gives ``"step"``; named as the program it is in every message)."""
   d = config if isinstance(config, dict) else json.loads(config.to_json())
-  return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in d.items()}
+  flat = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in d.items()}
+  if "sync" in flat:
+    flat["sync"] = sync_lib.resolve(flat)
+  return flat
 
 
 # The fields' kinds on resume are the schema's (``config.defaults``): HOW changes silently, IDENTITY is refused.
@@ -59,9 +64,6 @@ DATA_FIELDS = ("dataset", "calibration_fraction")
 def check_meaning(saved_config: dict, config: ml_collections.ConfigDict, where: str) -> None:
   """Raises ``CheckpointError`` naming each of ``MEANING_FIELDS`` whose value differs from the checkpoint's."""
   saved, current = _flat_config(saved_config), _flat_config(config)
-  for flat in (saved, current):  # sync="auto" is what it resolves to: a run saved with "step" resumes as "auto"
-    if "sync" in flat:  # that gives "step", and is refused where it gives the outer loop
-      flat["sync"] = sync_lib.resolve(flat)
   fields = [k for k in MEANING_FIELDS if k in saved and k in current]
   differing = _differences(saved, current, fields)
   if not differing:
@@ -113,6 +115,7 @@ def decisive_fields(
 ) -> list[str]:
   """Config fields whose saved value, put back alone into ``config``, changes the state's shapes."""
   saved, current = _flat_config(saved_config), _flat_config(config)
+  saved.setdefault("sync", "step")  # a checkpoint from before the outer loop: the per-step filter's state
   base = shapes_for(config)
   fields = []
   for field in sorted(set(saved) & set(current)):

@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 
 from ipf_jax import files
-from ipf_jax.config import read, validation
+from ipf_jax.config import read, sync, validation
 from ipf_jax.evaluation import results as results_lib
 from ipf_jax.reporting import export, tables
 from ipf_jax.runtime import workdir as workdir_lib
@@ -143,7 +143,7 @@ class Evaluations:
     results.update(self.evaluate_more(state, results, fused_bn, interrupted))
     step = int(state.step)
     size = self.dataset.test_size
-    extras = tables.format_extras(results, self.task.columns)
+    extras = tables.format_extras(results, self.task.columns, sync.resolve(self.config) != "step")
     log.info(
       "final evaluation at step %d on %s %s test examples%s:\n%s%s",
       step,

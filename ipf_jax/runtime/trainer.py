@@ -14,6 +14,7 @@ import optax
 from ipf_jax import files, models
 from ipf_jax.config import builder as build_lib
 from ipf_jax.config import read, validation
+from ipf_jax.config import sync as sync_lib
 from ipf_jax.reporting import summary
 from ipf_jax.reporting import trackers as trackers_lib
 from ipf_jax.runtime import checkpoint as checkpoint_lib
@@ -102,10 +103,12 @@ class _Run:
 
   def _log_plan(self) -> None:
     mesh, p, g = self.mesh, self.spec.num_particles, self.config.global_batch_size
+    sync = sync_lib.resolve(self.config)  # the program "auto" chose, named
     log.info(
-      "mode=%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
+      "mode=%s%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
       "batch %d = %d particles x %d",
       self.config.mode,
+      f"  sync={sync}" + (" (auto)" if self.config.sync == "auto" else "") if p > 1 or sync != "step" else "",
       p,
       mesh.shape[mesh_lib.PARTICLE],
       mesh.shape[mesh_lib.DATA],
