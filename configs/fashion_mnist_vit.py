@@ -27,7 +27,7 @@ def get_config():
   config.vit_patch_size = 4
   config.stochastic_depth = 0.1
   config.optimizer = "adamw"
-  config.base_lr = 1e-3
+  config.base_lr, config.lr_scaling = 1e-3, "linear"  # AdamW's rate, scaled (fashion_mnist.py's CNN rate is not)
   config.reference_batch_size = 128
   config.warmup_steps = 500
   config.weight_decay = 0.05

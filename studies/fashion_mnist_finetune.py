@@ -101,6 +101,7 @@ def pretrain(args, workdir: str) -> tuple[str, float, float]:
   """The DDP model every fine-tune starts from: ``(its workdir, accuracy, NLL)`` (``init_from`` reads the
   workdir's exported fused model)."""
   config = fashion_mnist.get_config()
+  study.reference_rate(config)  # the rate these rows were measured at
   config.update(data_dir=args.data_dir, seed=args.seed, mode="ddp", num_particles=1, num_epochs=float(args.pre_epochs))
   config.update(checkpoint_every_steps=-1, log_every_steps=100)
   if args.cnn_features:
@@ -115,6 +116,7 @@ def finetune_row(args, method: str, start: str, workdir: str, data=None) -> dict
   """One fine-tune from ``start`` (on ``data`` when given: ``--target digits``; ``SCRATCH`` starts fresh at the
   config's learning rate)."""
   base = fashion_mnist.get_config()
+  study.reference_rate(base)
   methods = METHODS if data is None else TRANSFER
   if method == SCRATCH:
     overrides = dict(methods[method])
