@@ -9,10 +9,12 @@ parameters), global batch 128 (16 per particle), 5 epochs (2,340 steps),
 pad-4 random crop + horizontal flip (the images are centred, upright
 garments: a flip and a small shift keep the class; a rotation would not be
 seen at test time). Measured on this project's 2-core CPU machine, alone
-(2026-12-07): 4 min 50 s in all, 2,340 steps at 12.5 steps/s (3 min 7 s)
-and the final evaluation on the 10,000 test images with
---config.eval_shifts=all --config.shift_examples=500
---config.ood_dataset=digits,photos (81 s). What it reaches at this rate (0.8),
+(2026-12-07): the per-step filter's 2,340 steps at 12.5 steps/s (3 min 7 s);
+the outer loop's (the default since) in 4 min 48 s (8.1 steps/s; the two
+alternated for 600 steps twice: 9.7 and 12.6 against 9.4 and 5.8 steps/s, so
+this shared machine cannot rank them); the final evaluation on the 10,000
+test images with --config.eval_shifts=all --config.shift_examples=500
+--config.ood_dataset=digits,photos 81 s. What it reaches at this rate (0.8),
 three seeds (BENCHMARKS.md "The outer loop at batch 128"): the outer loop (the
 default for a population) 89.36 +- 0.25% fused, DDP (--config.mode=ddp)
 90.41 +- 0.17%; at defaults.py's 0.1 per 256 scaled linearly (1/16 of it here)
