@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import ml_collections
@@ -14,11 +15,25 @@ from ipf_jax.spmd.spec import OuterSpec
 
 SYNC_CHOICES = ("auto", "step") + SYNCS
 SYNC_OPT_STATES = ("keep", "reset", "average")
-# What only the per-step filter does: sync="auto" keeps it for a run that asks for one of these, or that changes
-# one of PER_STEP_SETTINGS from its default (the outer loop reads none of them: its syncs weigh every particle on
-# the same examples at sync_temperature, and average rather than correct).
-PER_STEP_ONLY = ("elastic_pull", "resample_every", "shared_params", "fsdp", "compress_correction")
+# What only the per-step filter does, and why the outer loop refuses it: sync="auto" keeps the per-step filter for
+# a run that asks for one of these, or that changes one of PER_STEP_SETTINGS from its default (the outer loop
+# reads none of them: its syncs weigh every particle on the same examples at sync_temperature, and average
+# rather than correct).
+PER_STEP_ONLY = {
+  "elastic_pull": "the outer loop pulls at syncs by sync_pull",
+  "resample_every": "the outer loop resamples at syncs, on low ESS",
+  "shared_params": "shared parameters take the particles' consensus gradient every step",
+  "fsdp": "the anchor is kept whole, not as shards",
+  "compress_correction": "the outer loop averages parameters, not gradients",
+}
 PER_STEP_SETTINGS = ("correction", "temperature", "weigh_on")
+
+
+@functools.cache
+def _per_step_defaults() -> dict:
+  """``PER_STEP_SETTINGS``' default values (the schema's), read once."""
+  config = defaults.get_config()
+  return {f: config[f] for f in PER_STEP_SETTINGS}
 
 
 def resolve(config, sync: Optional[str] = None) -> str:
@@ -32,11 +47,10 @@ def resolve(config, sync: Optional[str] = None) -> str:
     return sync
   particles = config.get("num_particles", 1)
   population = config.get("mode") == "ipf" and isinstance(particles, int) and particles > 1
-  default = defaults.get_config()
   per_step = (
     any(config.get(f) for f in PER_STEP_ONLY)
     or config.get("dtype") == "float16"
-    or any(config.get(f, default[f]) != default[f] for f in PER_STEP_SETTINGS)
+    or any(config.get(f, d) != d for f, d in _per_step_defaults().items())
   )
   return "qsr" if population and not per_step else "step"
 
@@ -99,13 +113,8 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
     f"mode='ddp' with sync={sync!r}, outer_lr=1, outer_momentum=0 and sync_pull=1 is plain DDP (the anchor "
     "is the model): set outer_lr < 1 (Lookahead: 0.5) or outer_momentum > 0, or sync='step'",
   )
-  for field, value, why in (
-    ("elastic_pull", config.elastic_pull, "the outer loop pulls at syncs by sync_pull"),
-    ("resample_every", config.resample_every, "the outer loop resamples at syncs, on low ESS"),
-    ("shared_params", config.shared_params, "shared parameters take the particles' consensus gradient every step"),
-    ("fsdp", config.fsdp, "the anchor is kept whole, not as shards"),
-    ("compress_correction", config.compress_correction, "the outer loop averages parameters, not gradients"),
-  ):
+  for field, why in PER_STEP_ONLY.items():
+    value = config[field]
     _check(not value, field, f"={value!r} does not work with sync={sync!r}: {why}; leave it off or sync='step'")
   _check(
     config.dtype != "float16",

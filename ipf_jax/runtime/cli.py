@@ -24,9 +24,9 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from ipf_jax.config import sync as sync_lib
 from ipf_jax.config import validation
 from ipf_jax.data.errors import DataError
-from ipf_jax.config import sync as sync_lib
 from ipf_jax.runtime import checkpoint, cluster, preemption, rewind, trainer, workdir
 
 FLAGS = flags.FLAGS

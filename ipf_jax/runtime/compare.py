@@ -84,12 +84,16 @@ def mode_config(config, mode: str, sync: str | None):
   return c
 
 
+def fused_is_the_model(config) -> bool:
+  """Whether a mode's one model is its fused one: ipf's, or the outer loop's anchor (Lookahead's in ddp)."""
+  return config.mode == "ipf" or sync_lib.resolve(config) != "step"
+
+
 def summary_row(name: str, config, results: dict) -> dict:
   """The table's numbers for one mode: the ensemble's and one model's (DDP: its model; an ensemble of
   independent inits: its members' mean, as its fused model means nothing; ipf: the fused model)."""
   ens = results["ensemble"]
-  outer = sync_lib.resolve(config) != "step"  # the outer loop's fused model: the anchor
-  if (config.mode == "ipf" or outer) and "fused" in results:
+  if fused_is_the_model(config) and "fused" in results:
     one, what = float(results["fused"]["accuracy"]), "fused"
   else:
     one, what = float(np.mean(results["particles"]["accuracy"])), "member" if config.num_particles > 1 else "model"
@@ -186,7 +190,7 @@ def compare(config, workdir: str, modes: list[tuple[str, str | None]], dry_run: 
     print(f"== {name} ({k + 1}/{len(configs)}): {c.num_particles} model(s), {sub}", flush=True)
     start = time.perf_counter()
     results = trainer.train_and_evaluate(c, sub)
-    runs.append((name, sub, results, c.mode == "ipf" or sync_lib.resolve(c) != "step"))
+    runs.append((name, sub, results, fused_is_the_model(c)))
     rows.append(dict(summary_row(name, c, results), seconds=round(time.perf_counter() - start, 1)))
   table = format_table(rows)
   if jax.process_index() == 0:
