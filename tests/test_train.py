@@ -117,7 +117,14 @@ def test_dry_run_checks_as_a_run_does_and_writes_nothing(tmp_path, monkeypatch):
 
   config = digits.get_config()
   config.cnn_features = helpers.TEST_FEATURES
+  from ipf_jax.config import validation
+
+  calls = []  # a run is assembled once: its devices set up once, its config checked once
+  for name in ("setup_devices", "validate"):
+    real = getattr(validation, name)
+    monkeypatch.setattr(validation, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
   plan = trainer.check_run(config, str(tmp_path / "new"))
+  assert calls == ["setup_devices", "validate"]
   assert "would train 300 steps (30 epochs of 10 steps) from the start" in plan and "1347 train / 450 test" in plan
   assert not (tmp_path / "new").exists()
   with pytest.raises(checkpoint.CheckpointError, match="--eval_only: no checkpoint"):

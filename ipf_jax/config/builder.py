@@ -84,6 +84,16 @@ def zoo_task(config: ml_collections.ConfigDict, num_classes: int) -> Task:
   )
 
 
+def mesh_for(config: ml_collections.ConfigDict, devices: Optional[Sequence[jax.Device]] = None) -> jax.sharding.Mesh:
+  """The run's ``("particle", "data")`` mesh: with ``devices`` None, the CPU split made first
+  (``validation.setup_devices``) and the first ``config.num_devices`` devices (0: all) taken; the config checked
+  against them (``validation.validate``). The one place a run sets up its devices and checks its config."""
+  if devices is None:
+    validation.setup_devices(config)
+  devices = list(devices or jax.devices()[: config.num_devices or jax.device_count()])
+  return mesh_lib.make_mesh(config.num_particles, devices, validation.validate(config, len(devices))[0])
+
+
 def build(
   config: ml_collections.ConfigDict,
   task: Task,
@@ -94,6 +104,7 @@ def build(
   optimizer: Optional[optim.Optimizer] = None,
   exchange: Optional[exchange_lib.Exchange] = None,
   tx: Optional[optax.GradientTransformation] = None,
+  mesh: Optional[jax.sharding.Mesh] = None,
 ) -> Parts:
   """The mesh, particle spec, schedule, optimizer, state initialiser and jitted steps of a run.
 
@@ -110,12 +121,13 @@ def build(
       population.exchange.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
     tx: the same as ``optimizer=tx``, for a transformation. A transformation brings its own schedule, so the
       step's ``lr`` metric (the config's schedule) is left out unless ``jitter_lr`` needs the schedule.
+    mesh: ``mesh_for(config)``'s, made already (the trainer's: its devices set up and the config checked once);
+      default made here (from ``devices``).
   """
   optimizer = optim.given(optimizer, tx)
-  if devices is None:
-    validation.setup_devices(config)
-  devices = list(devices or jax.devices()[: config.num_devices or jax.device_count()])
-  mesh = mesh_lib.make_mesh(config.num_particles, devices, validation.validate(config, len(devices))[0])
+  if mesh is not None and devices is not None:
+    raise ValueError("build: give devices or a mesh made from them (mesh_for(config, devices)), not both")
+  mesh = mesh if mesh is not None else mesh_for(config, devices)
   spec = spec or validation.particle_spec(config)
   _check_init(config, task, spec)
   total, warmup = read.train_steps(config, steps_per_epoch)

@@ -35,6 +35,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from ipf_jax import files
+from ipf_jax.config import builder as build_lib
 from ipf_jax.config import sync as sync_lib
 from ipf_jax.config import validation
 from ipf_jax.reporting import report, tables
@@ -174,10 +175,9 @@ def compare(config, workdir: str, modes: list[tuple[str, str | None]], dry_run: 
   that, and what each would do."""
   import jax
 
-  validation.setup_devices(config)
   configs = [(name_of(m, s), mode_config(config, m, s)) for m, s in modes]
   for _, c in configs:
-    validation.validate(c, jax.device_count())
+    build_lib.mesh_for(c)  # every mode's config checked on the devices before the first trains
   if dry_run:  # what each mode would do (train, resume at step N, only evaluate); nothing compiled or written
     with tempfile.TemporaryDirectory() as empty:  # a --workdir not made yet: checked as a new one would be
       where = workdir if os.path.isdir(workdir) else empty

@@ -97,18 +97,18 @@ class Training:
     offset = watch.data_offset if watch is not None else 0  # batches skipped by rewinds
     prefetched = layout.prefetch(
       run.dataset.train_batches(start + offset, config.global_batch_size, config.seed),
-      lambda b: layout.put_train_batch(b, run.spec.num_particles, run.mesh, run.dataset.process_local),
+      lambda b: layout.put_train_batch(b, run.parts.spec.num_particles, run.parts.mesh, run.dataset.process_local),
     )
     batches = until_exhausted(prefetched, run.dataset.name, start)
     try:
-      for step in range(start, run.total):
+      for step in range(start, run.parts.total_steps):
         batch = next(batches)
         if self.step_hook is not None:
           self.state, batch = self.step_hook(step, self.state, batch)
         self.state, m = one_program_at_a_time(run.parts.step_at(step)(self.state, batch))
         pending.append(m)
         done = step + 1
-        log_step = done % config.log_every_steps == 0 or done == run.total
+        log_step = done % config.log_every_steps == 0 or done == run.parts.total_steps
         if log_step:
           self._log(done, fetch(pending))
           pending = []
@@ -162,7 +162,7 @@ class Training:
     """The fetched steps' scalars, rewind's judgement of their losses, and (``progress``) the progress line."""
     judged = self.judging
     try:
-      skipped = check_finite(self.state, self.run.spec.num_particles, done, self.newest)
+      skipped = check_finite(self.state, self.run.parts.spec.num_particles, done, self.newest)
     except NonFiniteError as e:
       if not judged:
         raise
@@ -189,7 +189,7 @@ class Training:
     config = self.run.config
     periodic = config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
     suspect = self.watch is not None and self.watch.suspect
-    held = suspect and not stopping and done != self.run.total
+    held = suspect and not stopping and done != self.run.parts.total_steps
     requested = requested or stopping
     if suspect and not held:
       log.warning(
@@ -198,13 +198,14 @@ class Training:
         done,
         self.watch.above,
         self.watch.window,
-        "; the resumed run judges it on" if done != self.run.total else "; the run ends here",
+        "; the resumed run judges it on" if done != self.run.parts.total_steps else "; the run ends here",
       )
 
     def save():
       self.ckpt.poll()
-      if (done == self.run.total or periodic or requested) and not held:  # held: the loss is suspect (rewind)
-        check_finite(self.state, self.run.spec.num_particles, done, self.newest)
+      last = done == self.run.parts.total_steps
+      if (last or periodic or requested) and not held:  # held: the loss is suspect (rewind)
+        check_finite(self.state, self.run.parts.spec.num_particles, done, self.newest)
         self.ckpt.save(done, self.state, config, rewind=self.watch.record() if self.watch is not None else None)
         self.control.saved()
         self.newest = done
@@ -222,7 +223,7 @@ class Training:
 
   def _evaluate_if_due(self, done: int) -> None:
     every = self.run.config.eval_every_steps
-    if not every or done % every or done == self.run.total:
+    if not every or done % every or done == self.run.parts.total_steps:
       return
     evals = self.run.evaluations
     try:
@@ -264,7 +265,7 @@ def until_exhausted(batches, name: str, start: int):
 
 def log_progress(run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
   """The progress line (stdout and train.log) and the log-step scalars."""
-  spec, total, config = run.spec, run.total, run.config
+  spec, total, config = run.parts.spec, run.parts.total_steps, run.config
   distances = np.asarray(run.parts.diversity(state))
   writer.scalars(
     done,

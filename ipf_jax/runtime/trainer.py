@@ -51,15 +51,15 @@ class _Run:
     data=None,
     check_only: bool = False,
     optimizer: Optional[optim.Optimizer] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
   ):
-    validation.setup_devices(config)
-    validation.validate(config, jax.device_count())
+    mesh = mesh or build_lib.mesh_for(config)  # the devices set up and the config checked: once, before all else
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
     self.dataset, calibration = run_eval.hold_out(
       config, data if data is not None else read.dataset(config), data_given=data is not None
     )
-    validation.validate_data(config, self.dataset.train_size, jax.device_count())
+    validation.validate_data(config, self.dataset.train_size, mesh.devices.size)
     self.zoo = task is None  # the task is the config's (its model follows config.model)
     if self.zoo:
       models.check_input(read.model_spec(config, self.dataset.num_classes), self.dataset.example)
@@ -74,15 +74,9 @@ class _Run:
     self.optimizer = optimizer
     self.resumed_meta: dict = {}  # the meta of the checkpoint resumed from (restore): its rewind record
     self.parts = build_lib.build(
-      config, self.task, self.dataset.example, self.steps_per_epoch or 1, optimizer=optimizer
+      config, self.task, self.dataset.example, self.steps_per_epoch or 1, optimizer=optimizer, mesh=mesh
     )
     self.optimizer_record = read.optimizer_record(config, optimizer, self.parts.abstract_state.opt_state)
-    self.spec, self.mesh, self.total, self.lr_fn = (
-      self.parts.spec,
-      self.parts.mesh,
-      self.parts.total_steps,
-      self.parts.lr_fn,
-    )
     self.evaluations = run_eval.Evaluations(config, self.dataset, calibration, self.task, self.parts, workdir, self.zoo)
     self._open_workdir(check_only)
     self._log_plan()
@@ -102,7 +96,7 @@ class _Run:
       workdir_lib.require_existing(self.workdir, "--eval_only")
 
   def _log_plan(self) -> None:
-    mesh, p, g = self.mesh, self.spec.num_particles, self.config.global_batch_size
+    mesh, p, g = self.parts.mesh, self.parts.spec.num_particles, self.config.global_batch_size
     sync = sync_lib.resolve(self.config)  # the program "auto" chose, named
     log.info(
       "mode=%s%s  particles=%d  mesh (particle, data)=(%d, %d) on %d %s device(s), %d process(es)  "
@@ -122,7 +116,7 @@ class _Run:
     if self.config.fsdp:
       abstract = self.parts.abstract_state
       dims = fsdp.dims_of(jax.tree.map(lambda x: x.sharding.spec, abstract.params))
-      how = step_lib.how_gathered(self.spec, self.parts.task, dims)
+      how = step_lib.how_gathered(self.parts.spec, self.parts.task, dims)
       log.info("%s; %s", fsdp.summary(abstract), how)
 
   def state_signature(self, config: ml_collections.ConfigDict) -> compatibility.Signature:
@@ -170,7 +164,7 @@ class _Run:
         now["state"],
         "training continues" if self.for_training else "it is evaluated",
       )
-    note = compatibility.placement_note(self.config, meta, self.mesh.shape[mesh_lib.PARTICLE])
+    note = compatibility.placement_note(self.config, meta, self.parts.mesh.shape[mesh_lib.PARTICLE])
     if note:
       log.warning("%s", note)
     changed = compatibility.changed_fields(meta["config"], self.config)
@@ -217,19 +211,18 @@ def check_run(
   latest = ckpt.check_latest(run.parts.abstract_state, config, shapes_for=run.state_signature) if reads else None
   step, saved_config = latest if latest is not None else (None, None)
   changed = compatibility.changed_fields(saved_config, config) if saved_config is not None else []
-  epoch = (
-    f" ({run.total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" if run.steps_per_epoch else ""
-  )
+  total = run.parts.total_steps
+  epoch = f" ({total / run.steps_per_epoch:.3g} epochs of {run.steps_per_epoch} steps)" if run.steps_per_epoch else ""
   if eval_only:
     if step is None:
       raise _no_checkpoint(ckpt)
     action = f"evaluate the checkpoint of step {step}"
   elif step is None:
-    action = f"train {run.total} steps{epoch} from the start"
-  elif step >= run.total:
+    action = f"train {total} steps{epoch} from the start"
+  elif step >= total:
     action = f"only evaluate: the checkpoint of step {step} is the end of the run"
   else:
-    action = f"resume at step {step} of {run.total}{epoch}"
+    action = f"resume at step {step} of {total}{epoch}"
   accum = (
     f" as {config.grad_accum_steps} micro-batches of {config.global_batch_size // config.grad_accum_steps}"
     if config.grad_accum_steps > 1
@@ -239,7 +232,7 @@ def check_run(
   return (
     f"dry run: config, devices, data and --workdir {workdir} checked. Data {run.dataset.name!r}: "
     f"{run.dataset.train_size} train / {run.dataset.test_size} test examples; {config.global_batch_size} per "
-    f"step{accum}; learning rate peaks at {float(run.lr_fn(warmup)):.4g}. It would {action}"
+    f"step{accum}; learning rate peaks at {float(run.parts.lr_fn(warmup)):.4g}. It would {action}"
     + (
       f", with this run's values of the {len(changed)} config field(s) that differ from the checkpoint's "
       f"({'; '.join(changed)})"
@@ -297,9 +290,9 @@ def train_and_evaluate(
   ``step_hook(step, state, batch) -> (state, batch)``, if given, runs before
   every step (fault-injection tests).
   """
-  validation.setup_devices(config)  # before anything (StopControl's process count) starts JAX's backend
+  mesh = build_lib.mesh_for(config)  # before StopControl (its process count): devices set up, the config checked
   with preemption.StopControl(config.time_limit_minutes, config.checkpoint_every_minutes) as control:
-    run = _Run(config, workdir, task=task, data=data, optimizer=optim.given(optimizer, tx))
+    run = _Run(config, workdir, task=task, data=data, optimizer=optim.given(optimizer, tx), mesh=mesh)
     try:
       return _train(run, control, step_hook)
     finally:
