@@ -449,6 +449,11 @@ class OuterReference(Reference):
       lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0), *trees
     )
     theta_bar, beta_bar = mean(self.params), mean(self.batch_stats)
+    anchor = jax.tree.leaves(self.anchor)  # before its step: the particles' spread that this sync removes
+    record["diversity"] = [
+      np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64) - a)) for x, a in zip(jax.tree.leaves(prm), anchor)))
+      for prm in self.params
+    ]
     delta = jax.tree.map(lambda a, m: a - m, self.anchor, theta_bar)
     mu = self.outer_momentum
     self.momentum = jax.tree.map(lambda d, m: d + mu * m, delta, self.momentum)

@@ -266,7 +266,8 @@ def until_exhausted(batches, name: str, start: int):
 def log_progress(run, state, m, writer, done: int, start: int, rate: float, skipped: int) -> None:
   """The progress line (stdout and train.log) and the log-step scalars."""
   spec, total, config = run.parts.spec, run.parts.total_steps, run.config
-  distances = np.asarray(run.parts.diversity(state))
+  # A sync step's own (the outer loop's): the particles' distances to the anchor before the sync pulled them in
+  distances = np.asarray(m["diversity"] if "diversity" in m else run.parts.diversity(state))
   writer.scalars(
     done,
     {

@@ -54,7 +54,7 @@ def make_fuse_fn(mesh: jax.sharding.Mesh) -> Callable:
     params, stats = fused(state)
     whole = fsdp.gather(params, dims, invariant=True)
     variables = {"params": sharing.merge(whole, state.shared_params), "batch_stats": stats}
-    return variables, _distances(state, params, dims)
+    return variables, distances(state, params, dims)
 
   return jax.jit(shard_map_on_state(local, mesh, (), lambda _: (P(), P())))
 
@@ -64,14 +64,14 @@ def make_diversity_fn(mesh: jax.sharding.Mesh) -> Callable:
   fused parameters are summed on the way, never returned, so no replicated copy of the model is kept."""
 
   def local(dims, state: ParticleState):
-    return _distances(state, fused(state)[0], dims)
+    return distances(state, fused(state)[0], dims)
 
   return jax.jit(shard_map_on_state(local, mesh, (), lambda _: P()))
 
 
-def _distances(state: ParticleState, fused_params, dims=None):
-  """``[P]`` ``||theta_i - theta_bar||`` over the particles' own (not shared) parameters, gathered
-  (``config.fsdp``: the shards' squares summed over ``"data"``)."""
+def distances(state: ParticleState, fused_params, dims=None):
+  """Inside ``shard_map``: ``[P]`` (replicated) ``||theta_i - theta_bar||`` over the particles' own (not shared)
+  parameters, gathered (``config.fsdp``: the shards' squares summed over ``"data"``)."""
   sq = [
     jnp.sum(jnp.square(x - f[None]).reshape(x.shape[0], -1), axis=1)
     for x, f in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_params))

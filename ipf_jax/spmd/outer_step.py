@@ -36,6 +36,7 @@ from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import outer as outer_lib
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.population.streams import Stream, stream
+from ipf_jax.spmd import fusion
 from ipf_jax.spmd import step as step_lib
 from ipf_jax.spmd.layout import TRAIN_BATCH_SPEC
 from ipf_jax.spmd.mesh import PARTICLE
@@ -154,6 +155,7 @@ def sync_step(c: OuterParts, state: ParticleState, batch, gamma, dims=None):
   new, g = local_update(c, state, batch, key, dims)
   alive = g.alive & jnp.isfinite(score) & jnp.isfinite(state.log_weights)
   all_log_w, tau, scores = sync_weights(c, new, score, alive)
+  drift = fusion.distances(new, new.anchor, dims)  # the spread the sync removes: log lines report it, not ~0
   synced, resampled, src = synchronise(c, new, all_log_w, key, gamma, dims)
   ok = jnp.any(jnp.isfinite(all_log_w))
   synced = jax.tree.map(lambda a, b: jnp.where(ok, a, b), synced, new)
@@ -166,6 +168,7 @@ def sync_step(c: OuterParts, state: ParticleState, batch, gamma, dims=None):
     score=scores,
     ess=pf.ess(all_log_w, c.spec.islands),
     num_alive=jnp.sum(jnp.isfinite(all_log_w)).astype(jnp.int32),
+    diversity=drift,
   )
   if c.spec.ess_target:
     metrics["temperature"] = tau
