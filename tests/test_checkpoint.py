@@ -230,6 +230,7 @@ def test_without_workdir_each_mode_trains_in_its_own_folder(tmp_path):
     folder = {"ipf": "digits_ipf_qsr", "ensemble": "digits_ensemble"}[mode]
     saved = json.loads((tmp_path / "runs" / folder / "config.json").read_text())
     assert saved["mode"] == mode
+    assert saved["sync"] == {"ipf": "qsr", "ensemble": "step"}[mode], "the program sync='auto' chose, recorded"
 
 
 def test_a_rerun_with_other_values_says_which_before_it_does_anything(uninterrupted):

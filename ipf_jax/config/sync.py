@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from typing import Optional
 
 import ml_collections
@@ -53,6 +54,14 @@ def resolve(config, sync: Optional[str] = None) -> str:
     or any(config.get(f, d) != d for f, d in _per_step_defaults().items())
   )
   return "qsr" if population and not per_step else "step"
+
+
+def recorded(config: ml_collections.ConfigDict) -> dict:
+  """The config as a run records it (``config.json``, a checkpoint's meta, the trackers): JSON values, with
+  ``sync`` the program ``"auto"`` chose, so the record says what ran whatever a later version's ``auto`` picks."""
+  d = json.loads(config.to_json())
+  d["sync"] = resolve(config)
+  return d
 
 
 def outer_spec(config: ml_collections.ConfigDict) -> Optional[OuterSpec]:

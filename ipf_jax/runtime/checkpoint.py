@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ipf_jax import files
+from ipf_jax.config import sync as sync_lib
 from ipf_jax.runtime import quiet
 from ipf_jax.runtime import workdir as workdir_lib
 from ipf_jax.runtime.compatibility import CheckpointError, Signature, check_compatible, signature
@@ -159,7 +160,7 @@ class Checkpointer:
     self._check_space(step, state)
     meta = {
       "step": int(step),
-      "config": json.loads(config.to_json()),
+      "config": sync_lib.recorded(config),
       "num_devices": jax.device_count(),
       "particle_devices": _particle_devices(state),
       "num_processes": jax.process_count(),

@@ -3,6 +3,7 @@ evaluations: ``run_eval.Evaluations``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Optional
@@ -365,14 +366,14 @@ def _refuse_to_overwrite(workdir: str) -> None:
 def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_hook) -> dict:
   if jax.process_index() == 0:  # only once the checkpoint is known to fit this config
     keep_log(run.workdir)
-    files.write_atomic(os.path.join(run.workdir, "config.json"), run.config.to_json(indent=2))
+    files.write_atomic(os.path.join(run.workdir, "config.json"), json.dumps(sync_lib.recorded(run.config), indent=2))
   if state is None:
     state = run.parts.init_state()
   start = int(state.step)
   newest = start if ckpt is not None and ckpt.latest_step() == start else None
   _stop_if_signalled_in_setup(control, start, newest)
   writer = summary.SummaryWriter(
-    run.workdir, trackers=trackers_lib.parse(run.config.trackers), config=run.config.to_dict()
+    run.workdir, trackers=trackers_lib.parse(run.config.trackers), config=sync_lib.recorded(run.config)
   )
   finished = False
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
