@@ -41,6 +41,22 @@ def pytest_configure(config):
   )
 
 
+CI_MARKS = ("core", "slow")  # pytest.ini: every test carries one (its module's pytestmark, or its own)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """A test that carries neither ``core`` nor ``slow`` stops the run before anything runs: CI's legs are
+  chosen by these marks (``.ci/run``), so an unmarked test would belong to no leg, or silently to both."""
+  unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(m) for m in CI_MARKS)]
+  if unmarked:
+    raise pytest.UsageError(
+      f"{len(unmarked)} test(s) carry neither of the marks {' nor '.join(CI_MARKS)} ({', '.join(unmarked[:3])}"
+      f"{', ...' if len(unmarked) > 3 else ''}): give the module a pytestmark = pytest.mark.core (every CI leg) "
+      "or pytest.mark.slow (leg 1 only), see pytest.ini"
+    )
+
+
 def pytest_pyfunc_call(pyfuncitem):
   """A ``full_optimisation`` test runs in a child pytest process without ``FAST_COMPILE``."""
   if IN_CHILD or pyfuncitem.get_closest_marker("full_optimisation") is None:

@@ -374,11 +374,11 @@ def saved_after_one_step(config, dp, dd, directory):
   return saved, images, labels
 
 
-def first_leg_only(cases, *ids):
+def mark_slow(cases, *ids):
   """``cases`` (a parametrize list of tuples or values) with the cases whose pytest id is in ``ids`` (or that
-  equal one of them: cases with dicts, whose ids pytest numbers) marked ``first_leg_only``: slow repetitions
-  the second CI leg skips. An id that names no case is an error here, so a renamed case cannot silently stay
-  in the second leg."""
+  equal one of them: cases with dicts, whose ids pytest numbers) marked ``slow``: in a ``core`` module, the
+  repetitions (another mesh or variant) that CI's second leg skips (pytest.ini). An id that names no case is
+  an error here, so a renamed case cannot silently stay in the second leg."""
   import pytest
 
   def ident(case):
@@ -386,7 +386,7 @@ def first_leg_only(cases, *ids):
 
   known = [ident(c) for c in cases]
   missing = [i for i in ids if i not in known and i not in cases]
-  assert not missing, f"first_leg_only: {missing} are not among the cases {known}"
+  assert not missing, f"mark_slow: {missing} are not among the cases {known}"
   marked = lambda c: ident(c) in ids or any(c == i for i in ids if not isinstance(i, str))
-  return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.first_leg_only) if marked(c)
+  return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow) if marked(c)
           else c for c in cases]  # fmt: skip

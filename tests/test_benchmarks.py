@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

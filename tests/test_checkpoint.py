@@ -17,6 +17,8 @@ from ipf_jax.runtime import compatibility
 from ipf_jax.spmd import state as state_lib
 from tests import helpers
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 STEPS = 30
 FLAGS = (f"--config.num_train_steps={STEPS}", "--config.checkpoint_every_steps=5", "--config.log_every_steps=1")
 
@@ -49,7 +51,7 @@ def test_sigkill_and_resume_is_bit_exact(uninterrupted, tmp_path):
   )
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
@@ -90,7 +92,7 @@ def test_incompatible_checkpoint_names_the_field(uninterrupted, tmp_path, flag, 
   assert sorted(os.listdir(workdir / "checkpoints")) == before, "nothing saved may change"
 
 
-@pytest.mark.parametrize("dp,dd", helpers.first_leg_only([(4, 1), (2, 2), (1, 2), (8, 1)], "4-1", "1-2"))
+@pytest.mark.parametrize("dp,dd", helpers.mark_slow([(4, 1), (2, 2), (1, 2), (8, 1)], "4-1", "1-2"))
 def test_restore_reshards_onto_fewer_devices(tmp_path, dp, dd):
   saved, images, labels = helpers.saved_after_one_step(helpers.tiny_config(num_particles=8), 8, 1, tmp_path)
 
@@ -114,7 +116,7 @@ def test_impossible_target_names_a_device_count_that_works():
     validation.validate(config, 8)
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_float16_loss_scale_survives_a_restart(tmp_path):
   """The loss scale, its finite-step count and the overflow count are part of the saved state."""
   config = helpers.tiny_config(num_particles=4, dtype="float16", loss_scale_init=2.0**30, loss_scale_growth_interval=3)
@@ -272,7 +274,7 @@ def test_damage_is_decided_by_the_files_listed_at_commit(uninterrupted, tmp_path
   assert checkpoint_lib.damage(str(path)) == "meta/metadata cannot be read (JSONDecodeError)"
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_a_restore_that_fails_for_another_reason_stops_and_moves_nothing(uninterrupted, tmp_path, monkeypatch):
   """Files that check out but a restore that fails (here: out of memory) is not damage: one error naming
   the checkpoint, nothing set aside, whatever the error's words."""

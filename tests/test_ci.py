@@ -1,31 +1,56 @@
-"""CI is chosen by markers, not by test ids: .ci/run's second leg selects with ``-m "not first_leg_only"`` and
-deselects nothing by name (a renamed test would silently fall out of a list of ids), and the marker is
-registered, so that ``--strict-markers`` rejects a misspelt one."""
+"""CI is chosen by marks, not by test ids or file lists: every test carries ``core`` (every leg) or ``slow`` (leg 1
+only); .ci/run's second leg selects with ``-m "core and not slow"`` over the whole folder and deselects nothing by
+name (a renamed test would silently fall out of a list); the marks are registered, so that ``--strict-markers``
+rejects a misspelt one; and a run that holds a test with neither stops before anything runs."""
 
 import configparser
 import os
 import re
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 from tests import helpers
+
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
 
 
 def test_ci_selects_by_marker_not_by_id():
   ci = open(os.path.join(helpers.ROOT, ".ci", "run")).read()
   assert "--deselect" not in ci and " -k " not in ci
-  assert re.search(r'-m "not first_leg_only"', ci)
+  assert re.search(r'-m "core and not slow" tests\n', ci), "leg 2: the whole folder, by marks"
 
 
-def test_the_marker_is_registered_and_strict():
+def test_the_marks_are_registered_and_strict():
   ini = configparser.ConfigParser()
   ini.read(os.path.join(helpers.ROOT, "pytest.ini"))
-  assert "first_leg_only:" in ini["pytest"]["markers"]
+  assert "core:" in ini["pytest"]["markers"] and "slow:" in ini["pytest"]["markers"]
   assert "--strict-markers" in ini["pytest"]["addopts"]
 
 
-def test_first_leg_only_refuses_a_case_it_does_not_find():
-  import pytest
-
-  marked = helpers.first_leg_only([(1, "a"), (2, "b")], "2-b")
-  assert marked[0] == (1, "a") and marked[1].marks[0].name == "first_leg_only"
+def test_mark_slow_refuses_a_case_it_does_not_find():
+  marked = helpers.mark_slow([(1, "a"), (2, "b")], "2-b")
+  assert marked[0] == (1, "a") and marked[1].marks[0].name == "slow"
   with pytest.raises(AssertionError, match="not among the cases"):
-    helpers.first_leg_only([(1, "a")], "1-c")
+    helpers.mark_slow([(1, "a")], "1-c")
+
+
+def test_a_test_with_neither_mark_stops_the_run(tmp_path):
+  """The suite's conftest and pytest.ini on a folder of two modules: one marked, one with a test that carries
+  neither mark; collection stops, naming that test and the fix. Marked alone, the module is collected."""
+  (tmp_path / "tests").mkdir()
+  shutil.copy(os.path.join(helpers.ROOT, "tests", "conftest.py"), tmp_path / "tests")
+  shutil.copy(os.path.join(helpers.ROOT, "pytest.ini"), tmp_path)
+  (tmp_path / "tests" / "test_marked.py").write_text(
+    "import pytest\npytestmark = pytest.mark.core\ndef test_a(): pass\n"
+  )
+  (tmp_path / "tests" / "test_unmarked.py").write_text("import pytest\ndef test_b(): pass\n")
+  collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"]
+  r = subprocess.run(collect, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert r.returncode != 0 and "tests/test_unmarked.py::test_b" in r.stdout + r.stderr, r.stdout + r.stderr
+  assert "carry neither of the marks core nor slow" in r.stdout + r.stderr
+  (tmp_path / "tests" / "test_unmarked.py").unlink()
+  r = subprocess.run(collect, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and "test_marked.py::test_a" in r.stdout, r.stdout + r.stderr

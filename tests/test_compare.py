@@ -11,6 +11,8 @@ import pytest
 
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 STEPS = 6
 
 

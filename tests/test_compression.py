@@ -12,6 +12,8 @@ from ipf_jax.spmd import mesh as mesh_lib
 from tests import helpers
 from tests.test_step import run_both
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def test_quantize_roundtrip_error_is_within_half_a_step():
   x = np.random.default_rng(0).normal(size=(3, 4 * compression.BLOCK)).astype(np.float32) * 5

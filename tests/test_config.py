@@ -6,6 +6,8 @@ from configs import default, digits
 from ipf_jax.config import validation
 from ipf_jax.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def cfg(**kw):
   c = digits.get_config()

@@ -11,6 +11,8 @@ from ipf_jax.config import defaults, document, sync
 from ipf_jax.runtime import compatibility
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 PATH = os.path.join(helpers.ROOT, "docs", "CONFIG.md")
 
 

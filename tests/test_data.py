@@ -6,6 +6,8 @@ import pytest
 from ipf_jax.spmd import layout
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def test_digits_split_is_fixed_and_real():
   data = helpers.digits_data()

@@ -6,6 +6,10 @@ import json
 import os
 import re
 
+import pytest
+
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = {"DESIGN.md": os.path.join(ROOT, "docs", "DESIGN.md"), "BENCHMARKS.md": os.path.join(ROOT, "BENCHMARKS.md")}
 # DESIGN.md §3.5 | DESIGN.md "Durability" | (`BENCHMARKS.md`, "Scaling")

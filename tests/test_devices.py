@@ -7,7 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests import helpers
+
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
 
 PRELUDE = """
 import jax, numpy as np, ipf_jax

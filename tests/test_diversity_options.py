@@ -15,6 +15,8 @@ from ipf_jax.spmd import optim
 from ipf_jax.spmd import step as step_lib
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def np_ess(prev, loss, alive, tau, rho):
   raw = np.where(alive, rho * prev - tau * np.where(alive, loss, 0), -np.inf)

@@ -21,6 +21,8 @@ import pytest
 from ipf_jax.reporting import report
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 STEPS = 30
 FLAGS = (
   f"--config.num_train_steps={STEPS}",

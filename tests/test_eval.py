@@ -8,6 +8,8 @@ import pytest
 
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def numpy_metrics(probs, labels, bins=15):
   conf, pred = probs.max(-1), probs.argmax(-1)

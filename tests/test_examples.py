@@ -9,6 +9,8 @@ import pytest
 
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 sys.path.insert(0, os.path.join(helpers.ROOT, "examples"))
 
 

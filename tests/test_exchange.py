@@ -10,7 +10,9 @@ from jax.sharding import PartitionSpec as P
 from ipf_jax.population import exchange as exchange_lib
 from ipf_jax.population import particle_filter as pf
 from ipf_jax.spmd import mesh as mesh_lib
-from tests.helpers import MESH_SHAPES, first_leg_only, sharded
+from tests.helpers import MESH_SHAPES, mark_slow, sharded
+
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
 
 
 def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all", bucket_bytes=None):
@@ -26,7 +28,7 @@ def _exchange_on_mesh(mesh, dp, tree, src, method="all_to_all", bucket_bytes=Non
 
 @pytest.mark.parametrize(  # ragged: XLA:CPU has no ragged-all-to-all (below)
   "per_device,dp,dd,method",
-  first_leg_only(
+  mark_slow(
     [(n, *mesh, m) for n in (1, 2, 4) for mesh in MESH_SHAPES for m in ("all_to_all", "rounds")], "4-8-1-rounds"
   ),
 )

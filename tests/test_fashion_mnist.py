@@ -17,6 +17,8 @@ from ipf_jax.config import read
 from ipf_jax.data import prepare, tfds_input
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 SOURCE = prepare.DEBIAN_SOURCE["fashion_mnist"]
 
 

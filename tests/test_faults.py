@@ -12,6 +12,8 @@ from ipf_jax.runtime import trainer
 from ipf_jax.runtime import workdir as workdir_lib
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def config(**kw):
   c = digits.get_config()

@@ -12,6 +12,8 @@ from ipf_jax.spmd import mesh as mesh_lib
 from tests.helpers import MESH_SHAPES, sharded
 from tests import reference
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 
 def random_weights(rng, p, num_zero=0):
   w = rng.gamma(0.3, size=p)

@@ -27,6 +27,8 @@ from ipf_jax.spmd.spec import ParticleSpec
 from tests import helpers
 from tests.test_step import assert_same_run, run_both
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 
 def sharded_leaves(tree):
   """``(sharded, whole)`` leaf counts of a tree of global arrays."""
@@ -64,7 +66,7 @@ FSDP_CASES = [
 
 
 @pytest.mark.parametrize(
-  "dp,dd,p,optimizer,clip,min_mb,model", helpers.first_leg_only(FSDP_CASES, FSDP_CASES[0], FSDP_CASES[2])
+  "dp,dd,p,optimizer,clip,min_mb,model", helpers.mark_slow(FSDP_CASES, FSDP_CASES[0], FSDP_CASES[2])
 )
 def test_fsdp_step_matches_reference(dp, dd, p, optimizer, clip, min_mb, model):
   """Resampling on most steps with jitter on the copies, the correction, BatchNorm (SyncBN over the
@@ -104,7 +106,7 @@ def small_vit_task(depth=1, remat=False, scan=False, width=16):
   return ipf_jax.classification(model, rngs=("dropout",))
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "gather,depth,remat,scan", [("particle", 1, False, False), ("block", 1, True, False), ("block", 2, True, True)]
 )
@@ -196,7 +198,7 @@ def test_block_gathers_are_recomputed_under_remat(model):
   assert found["block"]["out"] == found["particle"]["out"]  # the forward pass gathers each leaf once either way
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_fsdp_fusion_and_evaluation_equal_the_replicated_ones():
   """From one state: the fused model (gathered from its blocks), the particles' distances, the fused model's
   re-estimated BatchNorm statistics and every row of the evaluation (each particle, both ensembles, the fused
@@ -228,7 +230,7 @@ def test_fsdp_fusion_and_evaluation_equal_the_replicated_ones():
   close(out[True]["eval"], out[False]["eval"])
 
 
-@pytest.mark.parametrize("target_fsdp,dp,dd", helpers.first_leg_only([(False, 4, 2), (True, 1, 8)], "False-4-2"))
+@pytest.mark.parametrize("target_fsdp,dp,dd", helpers.mark_slow([(False, 4, 2), (True, 1, 8)], "False-4-2"))
 def test_a_checkpoint_restores_across_layouts(tmp_path, target_fsdp, dp, dd):
   """Saved sharded on (2, 4), restored whole on (4, 2) or sharded on (1, 8): the same global arrays, and
   training goes on."""

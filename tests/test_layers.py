@@ -6,7 +6,11 @@ import importlib
 import os
 import pkgutil
 
+import pytest
+
 import ipf_jax
+
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
 
 ROOT = os.path.dirname(ipf_jax.__file__)
 # Bottom to top. Subpackages on one rank do not import each other.

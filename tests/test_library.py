@@ -14,6 +14,8 @@ import ipf_jax
 from ipf_jax.runtime import preemption
 from tests import helpers
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 
 class GaussianHead(nn.Module):
   """No BatchNorm; outputs (mean, raw scale)."""
@@ -30,7 +32,7 @@ def regression_data(n=96, seed=0):
   return {"x": x, "y": y}
 
 
-@pytest.mark.parametrize("dp,dd,p", helpers.first_leg_only([(4, 2, 4), (2, 4, 4), (8, 1, 8)], "8-1-8", "2-4-4"))
+@pytest.mark.parametrize("dp,dd,p", helpers.mark_slow([(4, 2, 4), (2, 4, 4), (8, 1, 8)], "8-1-8", "2-4-4"))
 def test_regression_ensembles_are_gaussian_mixtures(dp, dd, p):
   """Every row of the eval table against numpy: per particle, the weighted and uniform mixtures of the
   particles' Gaussians (NLL from the mixture density, RMSE of the mixture mean) and the fused model."""
@@ -160,7 +162,7 @@ def test_dropout_keys_differ_between_particles_shards_and_steps():
   assert len(rows) == 32, "2 steps x 4 particle groups x 2 local particles x 2 data shards: all distinct"
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_data_from_your_own_functions(tmp_path):
   """``ipf_jax.Data``: train batches from a function of the start step, eval batches of any size."""
   d = helpers.digits_data()

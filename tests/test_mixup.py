@@ -14,6 +14,8 @@ from ipf_jax.spmd.task import classification
 from tests import helpers
 from tests.test_step import assert_same_run, run_both
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def _numpy_cross_entropy(logits, targets):
   logits = np.asarray(logits, np.float64)

@@ -10,6 +10,8 @@ from ipf_jax.errors import ConfigError
 
 from ipf_jax.models import vit
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 
 def count(model, image: int, channels: int = 3) -> int:
   shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, image, image, channels))))
@@ -56,7 +58,7 @@ def test_sincos_position_embedding_by_hand():
       np.testing.assert_allclose(pe[y * 2 + x], want, rtol=1e-6)
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_a_vit_population_trains_with_adamw_dropout_and_stochastic_depth(tmp_path):
   """A two-block ViT (patches of 4 on the 8 x 8 digits: 4 tokens and the class token) as the task, 4 particles
   on a (2, 2) mesh, ``config.optimizer=adamw`` with its first moment in bfloat16: the population trains,

@@ -11,6 +11,8 @@ import pytest
 
 from tests import helpers
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 particles on a (particle, data) = (2, 2) mesh: on two hosts, each particle group spans one host.
 FLAGS = (
@@ -57,7 +59,7 @@ def runs(tmp_path_factory):
   return single, run_one_host(single, STEPS, devices=4), multi, run_two_hosts(multi, STEPS)
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_two_hosts_equal_one_host_and_elastic_restore(runs, tmp_path):
   single, out_single, multi, out_hosts = runs
   assert "on 4 cpu device(s), 2 process(es)" in out_hosts[0]
@@ -95,7 +97,7 @@ def test_two_hosts_equal_one_host_and_elastic_restore(runs, tmp_path):
   assert "mesh (particle, data)=(2, 4) on 8 cpu device(s), 1 process(es)" in out
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_a_population_from_one_particle_of_a_checkpoint_on_two_hosts_equals_one_host(runs, tmp_path):
   """config.init_from with init_particle on 2 hosts: each process reads the particle from the 4-device run's
   checkpoint on the host (orbax, numpy) and the head starts fresh per particle; the run is the one host's."""
@@ -114,7 +116,7 @@ def test_a_population_from_one_particle_of_a_checkpoint_on_two_hosts_equals_one_
   )
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_equals_uninterrupted(runs, tmp_path):
   """A preemption notice reaches one host: both save the same step (JAX's preemption sync point) and
   exit 143; the resumed run ends bit for bit where the uninterrupted one does."""
@@ -180,7 +182,7 @@ def test_a_dead_peer_ends_the_survivor_within_a_minute(tmp_path):
   assert "process" in error and "coordinator 127.0.0.1:" in error and "Rerun every process" in error
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_fsdp_on_two_hosts_equals_whole_particles_on_one(tmp_path):
   """config.fsdp on 2 hosts x 2 devices: each particle's blocks on the two devices of its host (its group),
   gathered for every forward pass and reduce-scattered after the backward, while resampling moves blocks

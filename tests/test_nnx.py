@@ -14,6 +14,8 @@ from ipf_jax.config import validation
 from ipf_jax.spmd.mesh import DATA
 from tests import helpers
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 HIDDEN = 16
 
 
@@ -63,7 +65,7 @@ class NNXDropoutMLP(nnx.Module):
     return self.out(self.drop(nnx.relu(self.hidden(x.reshape(x.shape[0], -1)))))
 
 
-@pytest.mark.parametrize("dp,dd,p", helpers.first_leg_only([(8, 1, 8), (4, 2, 4), (2, 4, 4)], "8-1-8", "2-4-4"))
+@pytest.mark.parametrize("dp,dd,p", helpers.mark_slow([(8, 1, 8), (4, 2, 4), (2, 4, 4)], "8-1-8", "2-4-4"))
 def test_nnx_and_linen_versions_of_one_network_take_the_same_steps(dp, dd, p):
   """From one state, three ipf steps (weights, correction, resampling, SyncBN over ``"data"``): the NNX
   task's state equals the Linen task's."""

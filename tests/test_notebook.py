@@ -5,10 +5,11 @@ recorded run after the fact, as after a disconnect (it resumes, and the finished
 
 import os
 
-import nbclient  # test extras (requirements.txt)
-import nbformat
+import pytest
 
 from tests import helpers
+
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
 
 NOTEBOOK = os.path.join(helpers.ROOT, "examples", "colab.ipynb")
 
@@ -18,6 +19,9 @@ def _text(cell):
 
 
 def test_colab_notebook_runs_headless_and_resumes(tmp_path):
+  import nbclient  # test extras (requirements.txt); here, so that CI's leg 2 collects the module without them
+  import nbformat
+
   nb = nbformat.read(NOTEBOOK, as_version=4)
   params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
   assert len(params) == 1 and params[0].cell_type == "code"

@@ -11,6 +11,8 @@ from ipf_jax.config import read
 from ipf_jax.spmd import optim
 from tests import helpers
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 
 @pytest.mark.parametrize(
   "rule,expected", [("none", 1.0), ("linear", 2.0), ("sqrt", math.sqrt(2.0)), ("seed", math.sqrt(4 * 8))]

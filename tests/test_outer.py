@@ -14,6 +14,8 @@ from ipf_jax.population import outer
 from tests import helpers
 from tests.reference import OuterReference
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 OUTER = dict(sync="every", sync_every=3, sync_examples=3, sync_pull=0.5, sync_temperature=4.0, forgetting=0.8)
 
 
@@ -71,8 +73,8 @@ def run_both(config, dp, dd, num_steps):
   [
     (8, 1, 8, {}),
     (4, 2, 8, dict(outer_lr=0.7, outer_momentum=0.9, sync_opt_state="average")),
-    pytest.param(2, 4, 4, dict(sync_pull=1.0, sync_opt_state="reset"), marks=pytest.mark.first_leg_only),
-    pytest.param(4, 2, 8, dict(islands=2, sync_temperature=20.0), marks=pytest.mark.first_leg_only),
+    pytest.param(2, 4, 4, dict(sync_pull=1.0, sync_opt_state="reset"), marks=pytest.mark.slow),
+    pytest.param(4, 2, 8, dict(islands=2, sync_temperature=20.0), marks=pytest.mark.slow),
     (1, 8, 1, dict(mode="ddp", outer_lr=0.7, outer_momentum=0.9)),  # Lookahead: one DDP model, an outer optimizer
   ],
 )
@@ -152,7 +154,7 @@ def test_a_step_between_syncs_has_no_collective_over_particle(dp, dd):
   assert collectives_across_particles(sync, s.mesh), "the sync program must gather over the particles"
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_a_killed_outer_loop_run_resumes_bit_for_bit(tmp_path):
   """QSR with outer momentum and the filter: SIGKILL after step 11 of 16 (checkpoints every 4, syncs on both
   sides of the one resumed from), then the same command: the final checkpoint, anchor and its momentum included,

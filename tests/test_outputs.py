@@ -11,6 +11,8 @@ import ipf_jax
 from ipf_jax.reporting import report
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 STEPS = 20
 
 

@@ -8,6 +8,8 @@ import pytest
 from ipf_jax.config import validation
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def smoothed_cross_entropy(logits, labels, smoothing, num_classes=10):
   """Mean over examples of -sum_c t_c log softmax(logits)_c, t = (1 - s) onehot + s / C (numpy, float64)."""

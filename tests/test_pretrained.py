@@ -13,6 +13,8 @@ from ipf_jax.errors import ConfigError
 from ipf_jax.spmd import sharing
 from tests import helpers
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 
 def config_for(**overrides):
   config = helpers.tiny_config(num_particles=4, global_batch_size=16, **overrides)
@@ -85,7 +87,7 @@ def test_a_file_that_does_not_fit_names_its_parameters_and_the_fix(tmp_path):
     first_state(config_for(init_from=path, init_reinit="("))
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 def test_train_py_fine_tunes_a_population_from_another_runs_fused_model(tmp_path):
   """The user's path: one run trains and exports, the next starts 4 particles from its fused model with a
   fresh head, trains and evaluates."""

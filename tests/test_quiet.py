@@ -6,7 +6,11 @@ import os
 import sys
 import types
 
+import pytest
+
 from ipf_jax.runtime import quiet
+
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
 
 
 def unraisable(exc, obj=None):

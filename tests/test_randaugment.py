@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageEnhance, ImageOps
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 tf = pytest.importorskip("tensorflow")
 
 from ipf_jax.data import randaugment as ra  # noqa: E402

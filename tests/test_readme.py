@@ -33,6 +33,8 @@ from ipf_jax.data.errors import DataError
 from ipf_jax.runtime import cli, trainer
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 README = os.path.join(helpers.ROOT, "README.md")
 # The user's documents, in reading order: the README first, then where it sends its reader.
 USER_DOCS = ("README.md", "docs/RUNNING.md", "docs/LIBRARY.md", "docs/EVALUATION.md", "CONTRIBUTING.md")

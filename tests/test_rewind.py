@@ -21,6 +21,8 @@ from ipf_jax.reporting import report
 from ipf_jax.runtime import preemption, rewind, trainer
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 FAULT_STEP = 33
 
 

@@ -10,6 +10,8 @@ import pytest
 from tests import helpers
 from tests.reference import Reference
 
+pytestmark = pytest.mark.core  # CI: every leg (pytest.ini)
+
 # (Dp, Dd) meshes of the 8 fake devices, with L = 1, 2, 4 particles per device.
 MESHES = [(8, 1), (4, 2), (1, 8)]
 # Each mesh with two particle counts per device, each count on two meshes.
@@ -95,7 +97,7 @@ def assert_same_run(s, ref, spmd_records, ref_records, rtol=2e-4, atol=2e-5, out
     assert int(final.num_overflows) == ref.num_overflows
 
 
-@pytest.mark.parametrize("dp,dd,p", helpers.first_leg_only(CASES, "8-1-16", "4-2-16", "1-8-1"))
+@pytest.mark.parametrize("dp,dd,p", helpers.mark_slow(CASES, "8-1-16", "4-2-16", "1-8-1"))
 def test_ipf_step_matches_reference(dp, dd, p):
   config = helpers.tiny_config(num_particles=p, **helpers.RESAMPLING)
   s, ref, spmd, refr = run_both(config, dp, dd, num_steps=4)
@@ -154,7 +156,7 @@ def test_each_optimizer_moves_its_state_with_its_particle(optimizer):
 
 @pytest.mark.parametrize(
   "dp,dd,p,loop",
-  helpers.first_leg_only(
+  helpers.mark_slow(
     [(4, 2, 8, "vmap"), (2, 4, 4, "map"), (8, 1, 16, "unroll"), (4, 2, 16, "map")], "4-2-16-map", "8-1-16-unroll"
   ),
 )
@@ -169,7 +171,7 @@ def test_scheduled_resampling_matches_reference(dp, dd, p, loop):
 
 
 @pytest.mark.parametrize(
-  "dp,dd,p,islands", helpers.first_leg_only([(4, 2, 8, 2), (2, 4, 4, 2), (8, 1, 8, 8)], "8-1-8-8", "2-4-4-2")
+  "dp,dd,p,islands", helpers.mark_slow([(4, 2, 8, 2), (2, 4, 4, 2), (8, 1, 8, 8)], "8-1-8-8", "2-4-4-2")
 )
 def test_islands_match_reference(dp, dd, p, islands):
   """islands=G: weights normalised per island, each island resampled within itself; G = P with a culled
@@ -198,7 +200,7 @@ def test_islands_match_reference(dp, dd, p, islands):
 
 
 @pytest.mark.parametrize(
-  "dp,dd,p,k,loop", helpers.first_leg_only([(4, 2, 8, 2, "vmap"), (8, 1, 8, 4, "map")], "8-1-8-4-map")
+  "dp,dd,p,k,loop", helpers.mark_slow([(4, 2, 8, 2, "vmap"), (8, 1, 8, 4, "map")], "8-1-8-4-map")
 )
 def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop):
   """grad_accum_steps=k: each step runs k micro-batches (examples m, m + k, ... of a particle's batch) and
@@ -223,7 +225,7 @@ def test_gradient_accumulation_is_one_filter_step_per_update(dp, dd, p, k, loop)
 
 @pytest.mark.parametrize(
   "dp,dd,p,alpha,every",
-  helpers.first_leg_only(
+  helpers.mark_slow(
     [(4, 2, 8, 0.2, 1), (8, 1, 16, 0.2, 1), (1, 8, 2, 0.2, 1), (2, 4, 4, 1.0, 1), (4, 2, 8, 0.5, 3)],
     "1-8-2-0.2-1",
     "8-1-16-0.2-1",
@@ -356,7 +358,7 @@ FP16_TOL = {"rtol": 1e-2, "atol": 2e-3, "outliers": 0.01, "outlier_atol": 2.0**-
 @pytest.mark.full_optimisation
 @pytest.mark.parametrize(
   "dp,dd,p,loop,k",
-  helpers.first_leg_only(
+  helpers.mark_slow(
     [(4, 2, 8, "vmap", 1), (8, 1, 8, "unroll", 1), (4, 2, 4, "map", 2)], "4-2-8-vmap-1", "4-2-4-map-2", "8-1-8-unroll-1"
   ),
 )
@@ -400,7 +402,7 @@ def test_float16_overflow_at_minimum_scale_culls_the_particle():
   assert spmd[0]["ancestors"][3] != 3 and int(s.host_state().num_overflows) == 0
 
 
-@pytest.mark.first_leg_only
+@pytest.mark.slow
 @pytest.mark.full_optimisation
 def test_float16_single_particle_counts_overflows_not_failures():
   """DDP in float16: overflow steps are skipped and counted apart from non-finite (failed) steps."""

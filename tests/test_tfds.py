@@ -6,16 +6,21 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from ipf_jax.data import tfds_input
 from tests import helpers
+
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+# tensorflow_datasets (the "tfds" extra, leg 1's install) is imported inside each test: leg 2, without it, collects
+# this module to select by marks.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("name,small", [("imagenet2012", False), ("cifar10", True)])
 def test_train_batches_are_deterministic_and_resumable(name, small):
+  import tensorflow_datasets as tfds
+
   with tfds.testing.mock_data(num_examples=40):
     ds = tfds_input.TFDSDataset(name, None, image_size=16, shuffle_buffer=64, small_images=small)
     assert ds.num_train == 40 and ds.steps_per_epoch(8) == 5
@@ -43,6 +48,8 @@ def test_train_batches_are_deterministic_and_resumable(name, small):
 def test_resume_skips_records_without_decoding_them(monkeypatch):
   """A run resumed at step k of an epoch decodes about as many images before its first batch as a run
   starting at step 0 (not k batches more), and sees the batch an uninterrupted run sees at step k."""
+  import tensorflow_datasets as tfds
+
   import tensorflow as tf
 
   decoded = []
@@ -71,6 +78,8 @@ def test_resume_skips_records_without_decoding_them(monkeypatch):
 
 @pytest.mark.parametrize("name", ["imagenet2012", "cifar100"])
 def test_eval_counts_every_example_once(name):
+  import tensorflow_datasets as tfds
+
   with tfds.testing.mock_data(num_examples=23):
     ds = tfds_input.TFDSDataset(name, None, image_size=16, small_images=name != "imagenet2012")
     from ipf_jax.spmd import eval_step
@@ -175,6 +184,8 @@ def test_per_host_split_gives_each_process_its_half(monkeypatch):
   """With 2 processes, process k asks TFDS for the k-th of 2 even parts of the training split and
   gets G / 2 examples per step. (mock_data ignores split slicing, so the parts' contents cannot
   be told apart here; the 2-process run above checks the layout end to end.)"""
+  import tensorflow_datasets as tfds
+
   import jax
 
   for pid in (0, 1):

@@ -21,6 +21,8 @@ from ipf_jax.config import validation
 from ipf_jax.reporting import report
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 # A dead server must not stall the run in MLflow's retries (each sink gives up at its first failure).
 FAST_FAIL = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 

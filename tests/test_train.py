@@ -3,7 +3,11 @@
 import json
 import os
 
+import pytest
+
 from tests.helpers import run_train_py as run_train
+
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
 
 
 def test_train_py_digits_smoke(tmp_path):

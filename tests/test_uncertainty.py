@@ -16,6 +16,8 @@ from ipf_jax.evaluation import results as results_lib
 from ipf_jax.reporting import tables
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
+
 
 def random_probs(rng, n, c, sharp=3.0):
   logits = rng.normal(size=(n, c)) * sharp
