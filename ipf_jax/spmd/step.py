@@ -499,17 +499,18 @@ class StepParts(NamedTuple):
   lr_fn: Optional[optax.Schedule]
   exchange: exchange_lib.Exchange
   phases: Phases
-  dims: Any = None  # fsdp.dims_of the parameters (config.fsdp: which are sharded over "data"), set when traced
 
 
-def local_step(c: StepParts, state: ParticleState, batch):
-  """One device's part of the train step, phase by phase (the module docstring's 1-5)."""
+def local_step(c: StepParts, dims, state: ParticleState, batch):
+  """One device's part of the train step, phase by phase (the module docstring's 1-5). ``dims``: which of the
+  state's parameter leaves are shards over ``"data"`` (``fsdp.dims_of`` its specs, which ``shard_map_on_state``
+  reads from the state it is given: the layout travels with the state)."""
   spec, scaling = c.spec, loss_scaling.of(state)
   step_key = jax.random.fold_in(state.rng, state.step)
-  g = gradients(c.task, spec, state, batch, step_key, c.dims)  # 1
-  numbers, all_log_w, temperature = c.phases.weigh(spec, state, g, c.dims)  # 2
+  g = gradients(c.task, spec, state, batch, step_key, dims)  # 1
+  numbers, all_log_w, temperature = c.phases.weigh(spec, state, g, dims)  # 2
   log_w = local_slice(all_log_w, state.log_weights.shape[0])
-  particle, shared_params, shared_opt_state = c.phases.update(c.tx, spec, c.dp, state, g, jnp.exp(log_w), c.dims)  # 3
+  particle, shared_params, shared_opt_state = c.phases.update(c.tx, spec, c.dp, state, g, jnp.exp(log_w), dims)  # 3
   ess = pf.ess(all_log_w, spec.islands)
   num_alive = jnp.sum(numbers.alive).astype(jnp.int32)
   # 4. Commit, or skip the whole step: nothing finite (DDP's skipped step) or a float16 overflow.
@@ -521,7 +522,7 @@ def local_step(c: StepParts, state: ParticleState, batch):
   if c.phases.resample is not None:
     resampled = resample_decision(spec, state.step, ess, num_alive) & ok
     sigma = jitter_sigma(spec, c.lr_fn, state.step)
-    new_state, src = c.phases.resample(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange, c.dims)
+    new_state, src = c.phases.resample(spec, c.dp, new_state, step_key, all_log_w, resampled, sigma, c.exchange, dims)
   new_state = scaling.count(state, count(state, new_state, ok, overflow, resampled), scale, overflow)
   outcome = Outcome(numbers, all_log_w, ess, num_alive, resampled, src, temperature, overflow)
   return new_state, step_metrics(spec, scaling, outcome, None if c.lr_fn is None else c.lr_fn(updates_done(state)))
@@ -550,8 +551,6 @@ def make_train_step(
   exchange = exchange or exchange_lib.exchange_fn(spec.resample_exchange)
   parts = StepParts(task, tx, spec, mesh.shape[PARTICLE], lr_fn, exchange, phases or preset(spec))
 
-  def local(dims, state, batch):
-    return local_step(parts._replace(dims=dims), state, batch)
-
-  sharded = shard_map_on_state(local, mesh, (TRAIN_BATCH_SPEC,), lambda specs: (specs, TRAIN_METRIC_SPECS))
+  out_specs = lambda specs: (specs, TRAIN_METRIC_SPECS)
+  sharded = shard_map_on_state(functools.partial(local_step, parts), mesh, (TRAIN_BATCH_SPEC,), out_specs)
   return jax.jit(sharded, donate_argnums=0)
