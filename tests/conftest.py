@@ -44,16 +44,14 @@ def pytest_configure(config):
 CI_MARKS = ("core", "slow")  # pytest.ini: every test carries one (its module's pytestmark, or its own)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-  """A test that carries neither ``core`` nor ``slow`` stops the run before anything runs: CI's legs are
-  chosen by these marks (``.ci/run``), so an unmarked test would belong to no leg, or silently to both."""
-  unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(m) for m in CI_MARKS)]
-  if unmarked:
-    raise pytest.UsageError(
-      f"{len(unmarked)} test(s) carry neither of the marks {' nor '.join(CI_MARKS)} ({', '.join(unmarked[:3])}"
-      f"{', ...' if len(unmarked) > 3 else ''}): give the module a pytestmark = pytest.mark.core (every CI leg) "
-      "or pytest.mark.slow (leg 1 only), see pytest.ini"
+def pytest_runtest_setup(item):
+  """A test that carries neither ``core`` nor ``slow`` fails (CI's first leg runs every test): CI's legs are
+  chosen by these marks (``.ci/run``), so an unmarked test would belong to no leg but the first."""
+  if not any(item.get_closest_marker(m) for m in CI_MARKS):
+    pytest.fail(
+      f"{item.nodeid} carries neither of the marks {' nor '.join(CI_MARKS)}: give its module a pytestmark = "
+      "pytest.mark.core (every CI leg) or pytest.mark.slow (leg 1 only), see pytest.ini",
+      pytrace=False,
     )
 
 

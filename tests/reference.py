@@ -418,6 +418,12 @@ class OuterReference(Reference):
     rows = [(j, d * b + e) for d in range(self.data_devices) for j in range(p) for e in range(k)]
     return np.stack([images[j][e] for j, e in rows]), np.stack([labels[j][e] for j, e in rows])
 
+  def _to_anchor(self) -> list:
+    """Each particle's distance to the anchor (float64)."""
+    anchor = jax.tree.leaves(self.anchor)
+    sq = lambda prm: sum(np.sum(np.square(np.asarray(x, np.float64) - a)) for x, a in zip(jax.tree.leaves(prm), anchor))
+    return [np.sqrt(sq(prm)) for prm in self.params]
+
   def train_step(self, images, labels, sync=False, gamma=1.0):
     s, p = self.spec, self.spec.num_particles
     key = jax.random.fold_in(self.rng, self.step)
@@ -449,11 +455,7 @@ class OuterReference(Reference):
       lambda *xs: sum(w[j] * np.asarray(xs[j], np.float64) for j in range(p) if w[j] > 0), *trees
     )
     theta_bar, beta_bar = mean(self.params), mean(self.batch_stats)
-    anchor = jax.tree.leaves(self.anchor)  # before its step: the particles' spread that this sync removes
-    record["diversity"] = [
-      np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64) - a)) for x, a in zip(jax.tree.leaves(prm), anchor)))
-      for prm in self.params
-    ]
+    record["diversity"] = np.where(np.isfinite(log_w), self._to_anchor(), np.nan)  # before the anchor's step
     delta = jax.tree.map(lambda a, m: a - m, self.anchor, theta_bar)
     mu = self.outer_momentum
     self.momentum = jax.tree.map(lambda d, m: d + mu * m, delta, self.momentum)

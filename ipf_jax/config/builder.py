@@ -88,10 +88,12 @@ def mesh_for(config: ml_collections.ConfigDict, devices: Optional[Sequence[jax.D
   """The run's ``("particle", "data")`` mesh: with ``devices`` None, the CPU split made first
   (``validation.setup_devices``) and the first ``config.num_devices`` devices (0: all) taken; the config checked
   against them (``validation.validate``). The one place a run sets up its devices and checks its config."""
+  available = len(devices) if devices is not None else None
   if devices is None:
     validation.setup_devices(config)
-  devices = list(devices or jax.devices()[: config.num_devices or jax.device_count()])
-  return mesh_lib.make_mesh(config.num_particles, devices, validation.validate(config, len(devices))[0])
+    available = jax.device_count()  # all of them: an error's suggested device counts go up to it
+  devices = list(devices or jax.devices()[: config.num_devices or available])
+  return mesh_lib.make_mesh(config.num_particles, devices, validation.validate(config, available)[0])
 
 
 def build(
@@ -121,12 +123,10 @@ def build(
       population.exchange.exchange_rounds, bucket_bytes=65536)``); default the config's ``resample_exchange``.
     tx: the same as ``optimizer=tx``, for a transformation. A transformation brings its own schedule, so the
       step's ``lr`` metric (the config's schedule) is left out unless ``jitter_lr`` needs the schedule.
-    mesh: ``mesh_for(config)``'s, made already (the trainer's: its devices set up and the config checked once);
-      default made here (from ``devices``).
+    mesh: ``mesh_for(config)``'s, made already (the trainer's: its devices set up and the config checked once;
+      ``devices`` is then not read); default made here.
   """
   optimizer = optim.given(optimizer, tx)
-  if mesh is not None and devices is not None:
-    raise ValueError("build: give devices or a mesh made from them (mesh_for(config, devices)), not both")
   mesh = mesh if mesh is not None else mesh_for(config, devices)
   spec = spec or validation.particle_spec(config)
   _check_init(config, task, spec)

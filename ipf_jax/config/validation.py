@@ -48,7 +48,7 @@ def setup_devices(config: ml_collections.ConfigDict) -> None:
   """Splits a CPU-only host into ``config.num_cpu_devices`` devices (0: leave JAX's count).
 
   Called in two places, before anything starts JAX's backend: ``builder.mesh_for`` (every run's first step:
-  ``train_and_evaluate``, ``evaluate_checkpoint``, ``check_run``, ``build``, the compare command) and
+  ``train_and_evaluate``, ``evaluate_checkpoint``, ``check_run``, ``build``; the compare command's checks) and
   ``train.py`` (before ``jax.distributed`` starts the backend; a repeat with the same count does nothing).
   If the caller already started it (any ``jax.devices()`` or JAX operation) with another number of CPU
   devices, the split can no longer be made: ``ConfigError``, rather than a run on devices the config did

@@ -155,7 +155,9 @@ def sync_step(c: OuterParts, state: ParticleState, batch, gamma, dims=None):
   new, g = local_update(c, state, batch, key, dims)
   alive = g.alive & jnp.isfinite(score) & jnp.isfinite(state.log_weights)
   all_log_w, tau, scores = sync_weights(c, new, score, alive)
-  drift = fusion.distances(new, new.anchor, dims)  # the spread the sync removes: log lines report it, not ~0
+  # The log line's diversity at a sync: each particle's distance to the anchor before the sync moves them (what a
+  # step between syncs reports; after a full pull it would be ~0); none for a particle culled here
+  drift = jnp.where(jnp.isfinite(all_log_w), fusion.distances(new, new.anchor, dims), jnp.nan)
   synced, resampled, src = synchronise(c, new, all_log_w, key, gamma, dims)
   ok = jnp.any(jnp.isfinite(all_log_w))
   synced = jax.tree.map(lambda a, b: jnp.where(ok, a, b), synced, new)
