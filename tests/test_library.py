@@ -218,6 +218,7 @@ def test_resuming_on_other_data_is_refused():
   compatibility.check_compatible(sig, {}, sig, config, "ckpt", saved_data="digits", data="digits")
 
 
+@pytest.mark.slow
 def test_another_optimizer_is_named_on_resume(tmp_path, capsys):
   """A workdir trained with the built-in SGD, resumed with AdamW from library code: refused, naming both
   optimizers (not "another version of ipf_jax"); one of the same state kind resumes, with a warning."""
