@@ -8,9 +8,19 @@ from PIL import Image, ImageEnhance, ImageOps
 
 pytestmark = pytest.mark.slow  # CI: leg 1 only (pytest.ini)
 
-tf = pytest.importorskip("tensorflow")
+# TensorFlow (the "tfds" extra, leg 1's install) and the module that needs it are imported as a test starts, so
+# that CI's leg 2, without them, collects this module to select by marks.
+tf = ra = None
 
-from ipf_jax.data import randaugment as ra  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def _tensorflow():
+  global tf, ra
+  import tensorflow
+
+  from ipf_jax.data import randaugment
+
+  tf, ra = tensorflow, randaugment
 
 
 def photo(channels=3, size=20, seed=0):
