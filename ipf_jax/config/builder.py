@@ -88,12 +88,13 @@ def mesh_for(config: ml_collections.ConfigDict, devices: Optional[Sequence[jax.D
   """The run's ``("particle", "data")`` mesh: with ``devices`` None, the CPU split made first
   (``validation.setup_devices``) and the first ``config.num_devices`` devices (0: all) taken; the config checked
   against them (``validation.validate``). The one place a run sets up its devices and checks its config."""
-  available = len(devices) if devices is not None else None
   if devices is None:
     validation.setup_devices(config)
     available = jax.device_count()  # all of them: an error's suggested device counts go up to it
-  devices = list(devices or jax.devices()[: config.num_devices or available])
-  return mesh_lib.make_mesh(config.num_particles, devices, validation.validate(config, available)[0])
+    devices = jax.devices()[: config.num_devices or available]
+  else:
+    available = len(devices)
+  return mesh_lib.make_mesh(config.num_particles, list(devices), validation.validate(config, available)[0])
 
 
 def build(

@@ -54,7 +54,8 @@ class _Run:
     optimizer: Optional[optim.Optimizer] = None,
     mesh: Optional[jax.sharding.Mesh] = None,
   ):
-    mesh = mesh or build_lib.mesh_for(config)  # the devices set up and the config checked: once, before all else
+    if mesh is None:  # the devices set up and the config checked: once, before anything else
+      mesh = build_lib.mesh_for(config)
     self.config, self.workdir, self.lock, self.for_training = config, workdir, None, for_training
     setup_logging(None)
     self.dataset, calibration = run_eval.hold_out(
@@ -364,17 +365,16 @@ def _refuse_to_overwrite(workdir: str) -> None:
 
 
 def _train_from(run: _Run, control: preemption.StopControl, ckpt, state, step_hook) -> dict:
+  record = sync_lib.recorded(run.config)  # config.json's and the trackers'
   if jax.process_index() == 0:  # only once the checkpoint is known to fit this config
     keep_log(run.workdir)
-    files.write_atomic(os.path.join(run.workdir, "config.json"), json.dumps(sync_lib.recorded(run.config), indent=2))
+    files.write_atomic(os.path.join(run.workdir, "config.json"), json.dumps(record, indent=2))
   if state is None:
     state = run.parts.init_state()
   start = int(state.step)
   newest = start if ckpt is not None and ckpt.latest_step() == start else None
   _stop_if_signalled_in_setup(control, start, newest)
-  writer = summary.SummaryWriter(
-    run.workdir, trackers=trackers_lib.parse(run.config.trackers), config=sync_lib.recorded(run.config)
-  )
+  writer = summary.SummaryWriter(run.workdir, trackers=trackers_lib.parse(run.config.trackers), config=record)
   finished = False
   interrupted = (lambda: control.signalled) if jax.process_count() == 1 else (lambda: False)
   try:
